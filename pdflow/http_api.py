@@ -1,0 +1,194 @@
+"""The OpenAI-compatible HTTP API that ingress serves (FastAPI; OpenAPI document at /docs)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdflow import __version__
+from pdflow.messages import RequestFailed, SamplingParams, TextDelta
+from pdflow.openai_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_request_id,
+    parse_chat_request,
+    parse_completion_request,
+    sampling_from,
+    sse,
+    usage_chunk,
+)
+
+
+def _body_schema(model) -> dict:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def build_app(ingress) -> FastAPI:
+    app = FastAPI(title="pdflow", version=__version__, description="Disaggregated LLM inference")
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(exc), status_code=exc.status)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        down = sorted(f"{stage}-{replica}" for stage, replica in ingress.down)
+        ok = ingress.accepting and not down
+        body = {"status": "ok" if ok else "degraded", "down": down, "in_flight": len(ingress.pending)}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": ingress.served_name, "object": "model", "created": 0, "owned_by": "pdflow",
+                "max_model_len": ingress.max_context}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/debug/timeline/{request_id}")
+    async def timeline(request_id: str) -> dict:
+        found = ingress.timelines.get(request_id)
+        if found is None:
+            raise ApiError(f"no timeline for {request_id!r} (only the last finished requests are kept)",
+                           status=404, param="request_id")
+        return found
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        req = parse_chat_request(await request.body())
+        prompt_ids = ingress.tokenizer.apply_chat_template(
+            req.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return await _serve(ingress, request, req, list(prompt_ids), chat=True)
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        req = parse_completion_request(await request.body())
+        prompt = req.prompt
+        prompt_ids = prompt if isinstance(prompt, list) else ingress.tokenizer.encode(prompt)
+        vocab = len(ingress.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ApiError(f"prompt: token ids must be in [0, {vocab})", param="prompt")
+        return await _serve(ingress, request, req, list(prompt_ids), chat=False)
+
+    return app
+
+
+def _params(ingress, req, prompt_len: int, chat: bool) -> tuple[SamplingParams, dict]:
+    if req.model is not None and req.model != ingress.served_name:
+        raise ApiError(f"model: unknown model {req.model!r}; this server serves {ingress.served_name!r}",
+                       param="model", code="model_not_found")
+    context = ingress.max_context
+    if prompt_len >= context:
+        raise ApiError(
+            f"{'messages' if chat else 'prompt'}: the prompt has {prompt_len} tokens; "
+            f"the model's context is {context} tokens",
+            param="messages" if chat else "prompt", code="context_length_exceeded")
+    s = sampling_from(req)
+    max_tokens = s["max_tokens"]
+    if max_tokens is None:
+        max_tokens = context - prompt_len
+    elif prompt_len + max_tokens > context:
+        raise ApiError(
+            f"max_tokens: {max_tokens} + the prompt's {prompt_len} tokens exceed the model's context "
+            f"of {context} tokens", param="max_tokens", code="context_length_exceeded")
+    params = SamplingParams(max_tokens, s["temperature"], s["top_p"], s["top_k"], s["seed"],
+                            s["stop_token_ids"], s["ignore_eos"])
+    return params, s
+
+
+async def _serve(ingress, http: Request, req: ChatCompletionRequest | CompletionRequest,
+                 prompt_ids: list[int], chat: bool):
+    params, s = _params(ingress, req, len(prompt_ids), chat)
+    request_id = new_request_id(chat)
+    pending = await ingress.submit(request_id, prompt_ids, params, s["stop"], s["skip_special_tokens"])
+    results = _results(ingress, pending)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(ingress, pending, results, chat, include_usage),
+                                 media_type="text/event-stream")
+    return await _collect(ingress, http, pending, results, chat)
+
+
+async def _results(ingress, pending):
+    """The request's deltas until it finishes; raises ApiError when it fails or times out."""
+    deadline = pending.received + ingress.limits.request_timeout_s
+    while True:
+        try:
+            item = await asyncio.wait_for(pending.queue.get(), deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            raise ApiError(f"request timed out after {ingress.limits.request_timeout_s} s",
+                           status=504, type="timeout") from None
+        if isinstance(item, RequestFailed):
+            raise ApiError(f"{item.stage}: {item.message}", status=503, type="server_error")
+        yield item
+        if item.finish_reason is not None:
+            return
+
+
+async def _collect(ingress, http: Request, pending, results, chat: bool):
+    async def gather() -> TextDelta:
+        parts, last = [], None
+        async for delta in results:
+            parts.append(delta.text)
+            last = delta
+        return last, "".join(parts)
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(gather())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            ingress.cancel(pending, "client disconnected")
+            return JSONResponse({}, status_code=499)
+        try:
+            last, text = work.result()
+        except ApiError:
+            ingress.cancel(pending, "failed")
+            raise
+    finally:
+        watch.cancel()
+    ingress.finish(pending, last.timeline)
+    build = chat_response if chat else completion_response
+    body = build(pending.request_id, ingress.served_name, text, last.finish_reason,
+                 pending.prompt_len, last.completion_tokens)
+    return JSONResponse(body)
+
+
+async def _stream(ingress, pending, results, chat: bool, include_usage: bool):
+    rid, model, created = pending.request_id, ingress.served_name, int(time.time())
+    finished = False
+    try:
+        if chat:
+            yield sse(chat_chunk(rid, model, created, "", None, role_first=True))
+        last = None
+        async for delta in results:
+            last = delta
+            if delta.text:
+                yield sse(chat_chunk(rid, model, created, delta.text, None) if chat
+                          else completion_chunk(rid, model, created, delta.text, None))
+        yield sse(chat_chunk(rid, model, created, None, last.finish_reason) if chat
+                  else completion_chunk(rid, model, created, "", last.finish_reason))
+        if include_usage:
+            yield sse(usage_chunk(rid, model, created, pending.prompt_len, last.completion_tokens, chat))
+        yield sse("[DONE]")
+        finished = True
+        ingress.finish(pending, last.timeline)
+    except ApiError as exc:
+        yield sse(error_body(exc))
+    finally:
+        if not finished:
+            ingress.cancel(pending, "client disconnected or failed")

@@ -1,0 +1,229 @@
+"""Starts every stage replica as its own process, waits until all are ready, watches them, restarts
+the ones that die, and stops the whole tree cleanly on SIGINT/SIGTERM.
+
+Supervision: a replica is dead when its process exits or when no heartbeat came for
+``heartbeat_timeout_s`` (then it is killed). Every stage hears ``StageDown`` at once, so ingress
+fails the requests that replica held; the replica is restarted (up to ``max_restarts`` times)
+and ``StageUp`` follows when it is ready again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from pdflow.bus import make_socket
+from pdflow.messages import (
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Ready,
+    StageDown,
+    StageFailed,
+    StageUp,
+    decoder,
+    encoder,
+)
+from pdflow.stage_process import StageLaunch, main as stage_main
+from pdflow.topology import Topology
+
+log = structlog.get_logger()
+_TICK_S = 0.1
+
+
+@dataclass(slots=True, eq=False)
+class _Replica:
+    stage: str
+    replica: int
+    process: multiprocessing.process.BaseProcess | None = None
+    ready: bool = False
+    last_seen: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None
+    in_flight: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.stage, self.replica
+
+
+class Launcher:
+    def __init__(self, topology: Topology, model_dir: Path, log_format: str = "console", log_level: str = "info"):
+        self.topology, self.model_dir = topology, model_dir
+        self.log_format, self.log_level = log_format, log_level
+        self.mp = multiprocessing.get_context("spawn")
+        self.replicas = {key: _Replica(*key) for key in topology.replicas()}
+        self.stop_requested = asyncio.Event()
+        self._encode = encoder().encode
+        self._decode = decoder()
+
+    def _name(self, rep: _Replica) -> str:
+        return f"{self.topology.stages[rep.stage].display_name}-{rep.replica}"
+
+    def _start(self, rep: _Replica) -> None:
+        launch = StageLaunch(rep.stage, rep.replica, str(self.topology.path), str(self.model_dir),
+                             self.log_format, self.log_level)
+        rep.process = self.mp.Process(target=stage_main, args=(launch,), name=self._name(rep), daemon=True)
+        rep.process.start()
+        rep.ready, rep.restart_at = False, None
+        rep.started_at = rep.last_seen = time.monotonic()
+        log.info("stage.started", stage=self._name(rep), pid=rep.process.pid)
+
+    async def run(self) -> int:
+        ctx = zmq.asyncio.Context()
+        control = self.topology.control
+        self.pull = make_socket(ctx, zmq.PULL, bind=control.pull_address)
+        self.pub = make_socket(ctx, zmq.PUB, bind=control.pub_address)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        try:
+            for rep in self.replicas.values():
+                self._start(rep)
+            if not await self._wait_ready():
+                return 1
+            self._print_status("ready")
+            return await self._supervise()
+        finally:
+            await self._stop_all()
+            ctx.destroy(linger=0)
+
+    # --- messages from the stages ---------------------------------------------------------
+
+    async def _drain_inbox(self, timeout_s: float) -> None:
+        """Handle every message that arrives within ``timeout_s`` (then what is already queued)."""
+        timeout_ms = timeout_s * 1000
+        while await self.pull.poll(timeout_ms):
+            await self._handle(self._decode.decode(await self.pull.recv()))
+            timeout_ms = 0
+
+    async def _handle(self, message) -> None:
+        rep = self.replicas.get((message.stage, message.replica))
+        if rep is None:
+            return
+        rep.last_seen = time.monotonic()
+        if isinstance(message, Heartbeat):
+            rep.in_flight = message.in_flight
+        elif isinstance(message, Ready):
+            if message.protocol_version != PROTOCOL_VERSION:
+                log.error("stage.protocol_mismatch", stage=self._name(rep), theirs=message.protocol_version,
+                          ours=PROTOCOL_VERSION)
+                return
+            was_restart = rep.restarts > 0
+            rep.ready = True
+            log.info("stage.ready", stage=self._name(rep), pid=message.pid,
+                     seconds=round(time.monotonic() - rep.started_at, 2))
+            if was_restart:
+                await self.pub.send(self._encode(StageUp(rep.stage, rep.replica)))
+                self._print_status(f"{self._name(rep)} is back")
+        elif isinstance(message, StageFailed):
+            log.error("stage.failed", stage=self._name(rep), error=message.error)
+
+    async def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.topology.limits.ready_timeout_s
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            await self._drain_inbox(_TICK_S)
+            if all(rep.ready for rep in self.replicas.values()):
+                return True
+            dead = [rep for rep in self.replicas.values() if not rep.process.is_alive()]
+            if dead:
+                for rep in dead:
+                    log.error("stage.start_failed", stage=self._name(rep), exitcode=rep.process.exitcode,
+                              hint="its traceback is above")
+                return False
+        missing = ", ".join(self._name(r) for r in self.replicas.values() if not r.ready)
+        if not self.stop_requested.is_set():
+            log.error("launcher.ready_timeout", not_ready=missing,
+                      timeout_s=self.topology.limits.ready_timeout_s,
+                      hint="raise limits.ready_timeout_s or read the stage's log above")
+        return False
+
+    # --- supervision ----------------------------------------------------------------------
+
+    async def _supervise(self) -> int:
+        limits = self.topology.limits
+        while not self.stop_requested.is_set():
+            await self._drain_inbox(_TICK_S)
+            now = time.monotonic()
+            for rep in self.replicas.values():
+                if rep.restart_at is not None:
+                    if now >= rep.restart_at:
+                        self._start(rep)
+                    continue
+                if not rep.process.is_alive():
+                    reason = self._exit_reason(rep.process.exitcode)
+                elif now - rep.last_seen > limits.heartbeat_timeout_s:
+                    reason = f"no heartbeat for {now - rep.last_seen:.1f} s"
+                    rep.process.kill()
+                else:
+                    continue
+                if not await self._on_death(rep, reason):
+                    return 1
+        return 0
+
+    @staticmethod
+    def _exit_reason(exitcode: int | None) -> str:
+        if exitcode is not None and exitcode < 0:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        return f"exited with status {exitcode}"
+
+    async def _on_death(self, rep: _Replica, reason: str) -> bool:
+        name = self._name(rep)
+        log.error("stage.died", stage=name, reason=reason, restarts=rep.restarts)
+        rep.ready = False
+        await self.pub.send(self._encode(StageDown(rep.stage, rep.replica, reason)))
+        if rep.restarts >= self.topology.limits.max_restarts:
+            log.error("stage.gave_up", stage=name, restarts=rep.restarts,
+                      hint="limits.max_restarts reached; stopping every stage")
+            return False
+        delay = min(0.5 * 2**rep.restarts, 5.0)
+        rep.restarts += 1
+        rep.restart_at = time.monotonic() + delay
+        self._print_status(f"{name} died ({reason}); restarting in {delay:.1f} s")
+        return True
+
+    # --- stopping -------------------------------------------------------------------------
+
+    async def _stop_all(self) -> None:
+        """Ingress first (it drains in-flight requests), then the rest; kill what lingers."""
+        grace = self.topology.limits.shutdown_grace_s
+        ingress = [r for r in self.replicas.values() if r.stage == "ingress"]
+        others = [r for r in self.replicas.values() if r.stage != "ingress"]
+        await self._terminate(ingress, grace + 2.0)
+        await self._terminate(others, 1.5)
+        log.info("launcher.stopped")
+
+    async def _terminate(self, reps: list[_Replica], wait_s: float) -> None:
+        alive = [r.process for r in reps if r.process is not None and r.process.is_alive()]
+        for proc in alive:
+            proc.terminate()
+        deadline = time.monotonic() + wait_s
+        while any(p.is_alive() for p in alive) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for proc in alive:
+            if proc.is_alive():
+                log.warning("stage.killed", stage=proc.name, hint="did not stop in time")
+                proc.kill()
+                proc.join(1.0)
+
+    def _print_status(self, headline: str) -> None:
+        server = self.topology.server
+        lines = [f"pdflow: {headline} — API at http://{server.host}:{server.port}/v1",
+                 f"  {'stage':<14}{'pid':>8}  {'cores':<10}{'device':<8}{'state':<10}{'restarts':>8}"]
+        for rep in self.replicas.values():
+            cfg = self.topology.stages[rep.stage]
+            pid = rep.process.pid if rep.process else "-"
+            state = "ready" if rep.ready else ("restarting" if rep.restart_at else "starting")
+            cores = ",".join(map(str, cfg.cores)) or "any"
+            lines.append(f"  {self._name(rep):<14}{pid:>8}  {cores:<10}{cfg.device:<8}{state:<10}{rep.restarts:>8}")
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()

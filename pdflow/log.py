@@ -1,0 +1,33 @@
+"""structlog set-up shared by the launcher and every stage: readable lines or JSON."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(fmt: str = "console", level: str = "info", **context) -> None:
+    """Configure structlog for this process; ``context`` (e.g. stage, replica) is on every line."""
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso" if fmt == "json" else "%H:%M:%S.%f"),
+            structlog.processors.format_exc_info if fmt == "json" else structlog.dev.set_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(**context)
+    for noisy in ("transformers", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)

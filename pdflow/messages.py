@@ -1,0 +1,276 @@
+"""Every control-plane message, and the header that travels with each KV chunk.
+
+All messages are frozen msgspec Structs encoded as msgpack arrays (``array_like``): the field
+order is the wire format, so new fields are appended at the end, with defaults. The class name is
+the tag, so one typed decoder per socket turns bytes back into the right class.
+
+KV bytes never travel in these messages: they go over the data plane (``pdflow.transports``),
+described by a :class:`KvChunkHeader`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Message(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """How to pick each next token. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's own end-of-sequence ids
+    ignore_eos: bool = False
+
+
+class Route(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Which replica of each stage serves one request (chosen by ingress)."""
+
+    ingress: int = 0
+    prefill: int = 0
+    shuttle: int = 0
+    decode: int = 0
+    egress: int = 0
+
+
+# --- the life of one request ---------------------------------------------------------------
+
+
+class PrefillRequest(_Message):
+    """ingress -> prefill: compute the prompt's KV and the first token."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    route: Route
+
+
+class KvExpected(_Message):
+    """ingress -> kv-shuttle: a request's KV is coming; reserve room for it in the pool."""
+
+    request_id: str
+    num_tokens: int
+    route: Route
+
+
+class DecodeRequest(_Message):
+    """ingress -> decode: register memory for this request's KV, then decode once it lands."""
+
+    request_id: str
+    prompt_len: int
+    sampling: SamplingParams
+    route: Route
+
+
+class EgressRequest(_Message):
+    """ingress -> egress: how to turn this request's tokens into text for the client."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    route: Route = Route()
+
+
+class KvDestination(_Message):
+    """Receiver -> sender: write this request's KV into ``region`` at ``address``.
+
+    kv-shuttle sends it to prefill (a region of its pool); decode sends it to kv-shuttle
+    (a region of the request's own KV buffer).
+    """
+
+    request_id: str
+    address: str
+    region: int
+    nbytes: int
+
+
+class PrefillDone(_Message):
+    """prefill -> decode: every layer is sent; ``first_token`` is the token to feed next."""
+
+    request_id: str
+    first_token: int
+    finished: bool = False  # the first token already ended the request
+    timeline: dict[str, list[float]] = {}
+
+
+class KvReleased(_Message):
+    """decode -> kv-shuttle: the request's KV is in decode's cache; free the pool region."""
+
+    request_id: str
+
+
+class Tokens(_Message):
+    """prefill/decode -> egress: new tokens of one request, ``index`` of the first in the output."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | None
+    timeline: dict[str, list[float]] = {}
+
+
+class TextDelta(_Message):
+    """egress -> ingress: new text for the client."""
+
+    request_id: str
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None
+    timeline: dict[str, list[float]] = {}
+
+
+class RequestFailed(_Message):
+    """any stage -> ingress: this request cannot finish; answer the client with an error."""
+
+    request_id: str
+    stage: str
+    message: str
+
+
+class Cancel(_Message):
+    """ingress -> every stage: forget this request and free what it holds."""
+
+    request_id: str
+    reason: str = "cancelled"
+
+
+class StopRequest(_Message):
+    """egress -> decode: a stop string matched; stop generating (egress already finished it)."""
+
+    request_id: str
+
+
+# --- the life of a stage ------------------------------------------------------------------
+
+
+class Hello(_Message):
+    """First message on every connection between peers: the protocol version is checked."""
+
+    protocol_version: int
+    stage: str
+    replica: int
+    pid: int
+
+
+class Ready(_Message):
+    """stage -> launcher: started, sockets bound, model loaded."""
+
+    stage: str
+    replica: int
+    pid: int
+    protocol_version: int
+
+
+class Heartbeat(_Message):
+    """stage -> launcher, every ``heartbeat_interval_s``."""
+
+    stage: str
+    replica: int
+    seq: int
+    in_flight: int = 0
+
+
+class StageFailed(_Message):
+    """stage -> launcher: an unrecoverable error, with its traceback; the stage exits next."""
+
+    stage: str
+    replica: int
+    error: str
+
+
+class StageDown(_Message):
+    """launcher -> every stage: a replica died; whatever it held is lost."""
+
+    stage: str
+    replica: int
+    reason: str
+
+
+class StageUp(_Message):
+    """launcher -> every stage: a replica (re)started and is ready."""
+
+    stage: str
+    replica: int
+
+
+class Shutdown(_Message):
+    """launcher -> every stage: stop taking work; finish or fail what is in flight within grace_s."""
+
+    grace_s: float
+
+
+class KvChunkHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Describes one chunk of KV bytes on the data plane.
+
+    The payload is written into the receiver's registered ``region`` at ``offset``; ``checksum``
+    is the xxh3-64 of the payload (:func:`pdflow.kv_layout.checksum`), verified on arrival.
+    """
+
+    request_id: str
+    layer: int
+    kind: int  # 0: keys, 1: values, -1: not KV (raw bytes, e.g. in tests)
+    token_start: int
+    token_end: int
+    dtype: str
+    shape: tuple[int, ...]
+    region: int
+    offset: int
+    nbytes: int
+    checksum: int
+
+
+ControlMessage = (
+    PrefillRequest
+    | KvExpected
+    | DecodeRequest
+    | EgressRequest
+    | KvDestination
+    | PrefillDone
+    | KvReleased
+    | Tokens
+    | TextDelta
+    | RequestFailed
+    | Cancel
+    | StopRequest
+    | Hello
+    | Ready
+    | Heartbeat
+    | StageFailed
+    | StageDown
+    | StageUp
+    | Shutdown
+)
+
+ALL_MESSAGES: tuple[type, ...] = ControlMessage.__args__  # type: ignore[attr-defined]
+
+
+class ProtocolMismatch(RuntimeError):
+    """A peer speaks another protocol version."""
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def decoder(kind: object = ControlMessage) -> msgspec.msgpack.Decoder:
+    """A typed decoder; create one per socket, once."""
+    return msgspec.msgpack.Decoder(kind)
+
+
+def check_hello(hello: Hello) -> None:
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolMismatch(
+            f"{hello.stage}-{hello.replica} (pid {hello.pid}) speaks pdflow protocol "
+            f"{hello.protocol_version}, this process speaks {PROTOCOL_VERSION}: "
+            "run the same pdflow version on every stage"
+        )

@@ -1,0 +1,95 @@
+"""The one entry point of every stage process (started by the launcher with ``spawn``)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StageLaunch:
+    stage: str
+    replica: int
+    topology_path: str
+    model_dir: str
+    log_format: str = "console"
+    log_level: str = "info"
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills us when the launcher dies, so no stage is ever orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _pin(cores: tuple[int, ...]) -> None:
+    import torch
+
+    if cores:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+    else:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
+def main(launch: StageLaunch) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the stage installs its own handlers
+    from pdflow.log import configure_logging
+    from pdflow.topology import load_topology
+
+    topology = load_topology(launch.topology_path)
+    config = topology.stages[launch.stage]
+    title = f"pdflow::{config.display_name}-{launch.replica}"
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        pass
+    configure_logging(launch.log_format, launch.log_level, stage=config.display_name, replica=launch.replica)
+    import structlog
+
+    log = structlog.get_logger()
+    try:
+        _pin(config.cores)
+        import uvloop
+
+        from pdflow.stage import StageContext
+        from pdflow.stages import load_stage
+
+        stage_cls = load_stage(launch.stage)
+        ctx = StageContext(topology, launch.stage, launch.replica, Path(launch.model_dir))
+        uvloop.run(stage_cls(ctx).run())
+    except Exception as exc:
+        log.error("stage.crashed", error=repr(exc), traceback=traceback.format_exc())
+        _report_failure(topology, launch, traceback.format_exc())
+        sys.exit(1)
+
+
+def _report_failure(topology, launch: StageLaunch, error: str) -> None:
+    """Tell the launcher why we die (best effort: the launcher also sees the exit code)."""
+    import zmq
+
+    from pdflow.messages import StageFailed, encoder
+
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(topology.control.pull_address)
+        sock.send(encoder().encode(StageFailed(launch.stage, launch.replica, error)))
+        sock.close()
+    finally:
+        ctx.term()

@@ -1,0 +1,133 @@
+"""kv-shuttle: owns the CPU-memory KV pool and moves each request's KV from prefill to decode.
+
+For every request it reserves a region of the pool and gives prefill its address; each chunk
+that lands is forwarded at once to the region decode registered (cut-through, layer by layer).
+The region is freed when decode confirms it holds the KV (or the request is cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+from transformers import AutoConfig
+
+from pdflow import transports
+from pdflow.kv_layout import KvLayout
+from pdflow.messages import Cancel, KvChunkHeader, KvDestination, KvExpected, KvReleased, RequestFailed
+from pdflow.stage import Stage
+
+POOL_BYTES = 8 << 30  # the pool's budget; a request beyond it is refused
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    request: KvExpected
+    buffer: torch.Tensor
+    region: int
+    decode_destination: asyncio.Future
+    forwards: set = field(default_factory=set)
+
+
+class KvShuttleStage(Stage):
+    name = "kv_shuttle"
+
+    async def setup(self) -> None:
+        topo, cfg = self.topology, self.ctx.config
+        config = await asyncio.to_thread(AutoConfig.from_pretrained, self.ctx.model_dir)
+        self.layout = KvLayout.from_config(config, topo.model.dtype)
+        inbound = topo.link("prefill", "kv_shuttle")
+        self.from_prefill = transports.create(
+            inbound.transport, host=cfg.host, port=cfg.data_port_of(self.replica), **inbound.options
+        )
+        await self.from_prefill.start()
+        outbound = topo.link("kv_shuttle", "decode")
+        self.to_decode = transports.create(outbound.transport, host=cfg.host, **outbound.options)
+        self.entries: dict[str, _Entry] = {}
+        self.by_region: dict[int, _Entry] = {}
+        self.pool_used = 0
+        self._next_region = 0
+        self.spawn(self._notice_loop())
+
+    async def teardown(self) -> None:
+        await self.from_prefill.aclose()
+        await self.to_decode.aclose()
+
+    def handlers(self):
+        return {
+            KvExpected: self.on_expected,
+            KvDestination: self.on_decode_destination,
+            KvReleased: lambda m: self._free(m.request_id),
+            Cancel: lambda m: self._free(m.request_id),
+        }
+
+    def in_flight(self) -> int:
+        return len(self.entries)
+
+    async def on_expected(self, message: KvExpected) -> None:
+        nbytes = self.layout.request_bytes(message.num_tokens)
+        if self.pool_used + nbytes > POOL_BYTES:
+            await self._fail(message, f"KV pool full ({self.pool_used} of {POOL_BYTES} bytes in use)")
+            return
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        region = self._next_region
+        self._next_region += 1
+        self.from_prefill.register(region, transports.byte_view(buffer, writable=True))
+        entry = _Entry(message, buffer, region, asyncio.get_running_loop().create_future())
+        self.entries[message.request_id] = entry
+        self.by_region[region] = entry
+        self.pool_used += nbytes
+        destination = KvDestination(message.request_id, self.from_prefill.address, region, nbytes)
+        await self.bus.send("prefill", message.route.prefill, destination)
+
+    def on_decode_destination(self, message: KvDestination) -> None:
+        entry = self.entries.get(message.request_id)
+        if entry is not None and not entry.decode_destination.done():
+            entry.decode_destination.set_result(message)
+
+    def _free(self, request_id: str) -> None:
+        entry = self.entries.pop(request_id, None)
+        if entry is None:
+            return
+        self.by_region.pop(entry.region, None)
+        self.from_prefill.unregister(entry.region)
+        for task in entry.forwards:
+            task.cancel()
+        if not entry.decode_destination.done():
+            entry.decode_destination.cancel()
+        self.pool_used -= entry.buffer.numel()
+
+    async def _fail(self, request: KvExpected, message: str) -> None:
+        self.log.error("kv.request.failed", request_id=request.request_id, error=message)
+        failure = RequestFailed(request.request_id, "kv-shuttle", message)
+        await self.bus.send("ingress", request.route.ingress, failure)
+
+    async def _notice_loop(self) -> None:
+        while True:
+            notice = await self.from_prefill.next_notice()
+            entry = self.by_region.get(notice.header.region)
+            if entry is None:
+                continue  # cancelled meanwhile
+            if notice.error is not None:
+                await self._fail(entry.request, f"KV chunk from prefill lost: {notice.error!r}")
+                self._free(entry.request.request_id)
+                continue
+            task = asyncio.ensure_future(self._forward(entry, notice.header))
+            entry.forwards.add(task)
+            task.add_done_callback(entry.forwards.discard)
+
+    async def _forward(self, entry: _Entry, header: KvChunkHeader) -> None:
+        try:
+            destination = await asyncio.wait_for(
+                asyncio.shield(entry.decode_destination), self.limits.request_timeout_s
+            )
+            data = transports.byte_view(entry.buffer[header.offset : header.offset + header.nbytes])
+            await self.to_decode.write(destination.address, msgspec.structs.replace(header, region=destination.region), data)
+        except asyncio.CancelledError:
+            pass
+        except (transports.TransportError, asyncio.TimeoutError) as exc:
+            if entry.request.request_id in self.entries:
+                await self._fail(entry.request, f"KV transfer to decode failed: {exc!r}")
+                self._free(entry.request.request_id)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up everything pdflow needs, idempotently: the virtual environment in .venv, the
+# dependencies, and the default model (converted once into ~/.cache/pdflow or $PDFLOW_CACHE_DIR).
+# A second run checks a stamp and returns in about a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "pdflow setup: creating .venv with $($python --version)" >&2
+  "$python" -m venv .venv
+fi
+
+stamp=.venv/.pdflow-installed
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "pdflow setup: installing dependencies into .venv" >&2
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    # Without a GPU, take the CPU build of torch (a pinned release lies on this machine's
+    # disk); an unpinned `torch` would pull a multi-GB CUDA build. PDFLOW_TORCH overrides.
+    torch_spec=${PDFLOW_TORCH:-torch==2.13.0}
+    if [ -z "${PDFLOW_TORCH:-}" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+      torch_spec=torch
+    fi
+    .venv/bin/python -m pip install --quiet "$torch_spec"
+  fi
+  .venv/bin/python -m pip install --quiet -e '.[test]'
+  echo "$want" > "$stamp"
+fi
+
+.venv/bin/pdflow models pull smollm2 >/dev/null

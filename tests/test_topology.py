@@ -1,0 +1,232 @@
+"""pdflow.topology: the default file, defaults, model paths, and an error for every kind of bad file."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from pdflow.toml_lines import LineMap
+from pdflow.topology import STAGE_NAMES, Limits, Topology, TopologyError, load_topology, parse_topology
+
+REPO = Path(__file__).parents[1]
+
+
+def parse(*lines: str, path: Path = Path("topo.toml")) -> Topology:
+    return parse_topology("\n".join(lines) + "\n", path)
+
+
+def test_default_file_loads() -> None:
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("the default topology pins decode to core 1, which this machine does not have")
+    t = load_topology(REPO / "topology.toml")
+    assert t.path == (REPO / "topology.toml").absolute()
+    assert (t.model.source, t.model.served_name, t.model.is_path, t.model.path) == ("smollm2", "smollm2", False, None)
+    assert list(t.stages) == list(STAGE_NAMES)
+    assert t.stages["prefill"].cores == (0,) and t.stages["decode"].cores == (1,)
+    assert t.stages["ingress"].cores == t.stages["kv_shuttle"].cores == t.stages["egress"].cores == ()
+    assert [(link.src, link.dst, link.transport) for link in t.links] == [
+        ("prefill", "kv_shuttle", "tcp"), ("kv_shuttle", "decode", "tcp"),
+    ]
+    # the file spells out every default: apart from the pinned cores it equals an empty file
+    empty = parse_topology("", REPO / "topology.toml")
+    assert (t.model, t.server, t.control, t.limits, t.links) == (
+        empty.model, empty.server, empty.control, empty.limits, empty.links,
+    )
+    for name in ("ingress", "kv_shuttle", "egress"):
+        assert t.stages[name] == empty.stages[name]
+
+
+def test_empty_file_gets_all_defaults() -> None:
+    t = parse_topology("", Path("empty.toml"))
+    assert t.model.dtype == "float32" and t.model.served_name == "smollm2"
+    assert (t.server.host, t.server.port) == ("127.0.0.1", 8000)
+    assert (t.control.pull_address, t.control.pub_address) == ("tcp://127.0.0.1:5500", "tcp://127.0.0.1:5501")
+    assert t.limits == Limits()
+    ports = {name: (s.port, s.data_port) for name, s in t.stages.items()}
+    assert ports == {
+        "ingress": (5510, None), "prefill": (5520, None), "kv_shuttle": (5530, 5630),
+        "decode": (5540, 5640), "egress": (5550, None),
+    }
+    assert all(s.replicas == 1 and s.cores == () and s.device == "cpu" for s in t.stages.values())
+    assert t.link("kv_shuttle", "decode").options == {}
+    assert t.replicas() == [(name, 0) for name in STAGE_NAMES]
+    assert t.stages["kv_shuttle"].display_name == "kv-shuttle" and t.stages["decode"].display_name == "decode"
+    with pytest.raises(KeyError):
+        t.link("prefill", "decode")
+
+
+def test_replicas_addresses_and_links() -> None:
+    t = parse(
+        "[stages.decode]", "replicas = 3", 'host = "10.0.0.2"', "port = 6000", "data_port = 6100",
+        "[[links]]", 'src = "kv_shuttle"', 'dst = "decode"', 'transport = "inproc"', "options = { latency_ms = 2 }",
+    )
+    decode = t.stages["decode"]
+    assert [decode.control_address(i) for i in range(3)] == [f"tcp://10.0.0.2:{6000 + i}" for i in range(3)]
+    assert [decode.data_port_of(i) for i in range(3)] == [6100, 6101, 6102]
+    assert [r for r in t.replicas() if r[0] == "decode"] == [("decode", 0), ("decode", 1), ("decode", 2)]
+    assert t.link("kv_shuttle", "decode").options == {"latency_ms": 2}
+    assert t.link("prefill", "kv_shuttle").transport == "tcp"  # the missing link defaults to tcp
+    with pytest.raises(ValueError):
+        t.stages["prefill"].data_port_of(0)
+
+
+def test_local_model_directory(tmp_path: Path) -> None:
+    model = tmp_path / "models" / "tiny-llama"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    file = tmp_path / "topology.toml"
+    file.write_text('[model]\nsource = "./models/tiny-llama/"\ndtype = "bfloat16"\n')
+    t = load_topology(file)
+    assert (t.model.is_path, t.model.path, t.model.served_name) == (True, model.resolve(), "tiny-llama")
+    file.write_text(f'[model]\nsource = "{model}"\nserved_name = "tiny"\n')
+    assert load_topology(file).model.served_name == "tiny"
+
+
+BAD_FILES = [
+    # (id, lines, key, line, fragment of the message)
+    ("top-level unknown", ["[server]", "port = 8001", "[modle]", 'source = "smollm2"'],
+     "modle", 3, "unknown key 'modle'; did you mean 'model'?"),
+    ("top-level unknown key", ["colour = 1"], "colour", 1, "expected one of: model, server"),
+    ("stage unknown key", ["[stages.decode]", "replica = 2"],
+     "stages.decode.replica", 2, "unknown key 'replica'; did you mean 'replicas'?"),
+    ("unknown stage", ["[stages.prefil]", "replicas = 1"], "stages.prefil", 1, "did you mean 'prefill'?"),
+    ("links unknown key", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'transprt = "tcp"'],
+     "links[0].transprt", 4, "did you mean 'transport'?"),
+    ("string for int", ["[limits]", 'max_batch = "2"'], "limits.max_batch", 2, 'expected an integer, got string "2"'),
+    ("bool for int", ["[stages.prefill]", "replicas = true"],
+     "stages.prefill.replicas", 2, "expected an integer, got boolean true"),
+    ("float for int", ["", "[server]", "port = 8000.0"], "server.port", 3, "expected an integer, got float 8000.0"),
+    ("strings for cores", ["[stages.decode]", "device = 'cpu'", 'cores = ["0", "1"]'],
+     "stages.decode.cores[0]", 3, 'expected a core number, got string "0"'),
+    ("negative core", ["[stages.decode]", "cores = [-1]"], "stages.decode.cores[0]", 2, ">= 0, got -1"),
+    ("core out of range", ["[stages.decode]", "cores = [0, 100000]"],
+     "stages.decode.cores[1]", 2, "core 100000 does not exist: os.cpu_count() is"),
+    ("duplicate core", ["[stages.decode]", "cores = [0, 0]"], "stages.decode.cores[1]", 2, "core 0 is listed twice"),
+    ("negative replicas", ["[stages.decode]", "replicas = -1"],
+     "stages.decode.replicas", 2, "expected an integer >= 1, got -1"),
+    ("ingress replicas 2", ["[stages.ingress]", "replicas = 2"],
+     "stages.ingress.replicas", 2, "must have exactly 1 replica, got 2"),
+    ("port clash between stages", ["[stages.prefill]", "port = 5510"],
+     "stages.prefill.port", 2, "port 5510 is also used by stages.ingress.port"),
+    ("port clash via replicas", ["[stages.prefill]", "replicas = 2", "", "[stages.kv_shuttle]", "port = 5521"],
+     "stages.kv_shuttle.port", 5, "port 5521 is also used by stages.prefill.port + 1 (replica 1)"),
+    ("port clash with control PUB", ["[server]", "port = 5501"],
+     "server.port", 2, "port 5501 is also used by control.port + 1 (the PUB socket)"),
+    ("port clash on 0.0.0.0", ["[server]", 'host = "0.0.0.0"', "port = 5640"],
+     "server.port", 3, "port 5640 is also used by stages.decode.data_port (0.0.0.0 and 127.0.0.1 overlap)"),
+    ("port out of range", ["[control]", "port = 70000"], "control.port", 2, "expected an integer >= 1 and <= 65534"),
+    ("replica port past 65535", ["[stages.egress]", "port = 65535", "replicas = 2"],
+     "stages.egress.port", 2, "stages.egress.port + 1 (replica 1) would be port 65536"),
+    ("bad transport", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'transport = "carrier-pigeon"'],
+     "links[0].transport", 4, "transport 'carrier-pigeon' is not available"),
+    ("bad link pair", ["[[links]]", 'src = "prefill"', 'dst = "decode"'],
+     "links[0]", 1, "no data-plane link prefill -> decode; expected prefill -> kv_shuttle or kv_shuttle -> decode"),
+    ("duplicate link", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"',
+                        "[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"'],
+     "links[1]", 4, "already defined by links[0]"),
+    ("link without dst", ["[[links]]", 'src = "prefill"'], "links[0].dst", 1, "missing key 'dst'"),
+    ("link options not a table", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', "options = 3"],
+     "links[0].options", 4, "expected a table, got integer 3"),
+    ("syntax error", ["[limits]", "max_batch = = 3"], "limits.max_batch", 2, "invalid TOML"),
+    ("syntax error in header", ["[model]", "", "[stages.decode", "replicas = 1"], "stages.decode", 3, "invalid TOML"),
+    ("bad dtype", ["[model]", 'dtype = "int8"'],
+     "model.dtype", 2, 'expected one of float32, bfloat16, float16, got string "int8"'),
+    ("bad device", ["[stages.decode]", 'device = "gpu"'],
+     "stages.decode.device", 2, 'expected "cpu", "cuda" or "cuda:N", got string "gpu"'),
+    ("missing model path", ["[model]", "dtype = 'float32'", 'source = "./no-such-model"'],
+     "model.source", 3, "no-such-model does not exist"),
+    ("unknown model name", ["[model]", 'source = "zzz"'], "model.source", 2, "unknown model 'zzz'"),
+    ("model name typo", ["[model]", 'source = "smollm"'], "model.source", 2, "did you mean 'smollm2'?"),
+    ("data_port on prefill", ["[stages.prefill]", "data_port = 5620"],
+     "stages.prefill.data_port", 2, "only kv_shuttle and decode receive KV data"),
+    ("heartbeat timeout <= interval", ["[limits]", "heartbeat_interval_s = 1.0", "heartbeat_timeout_s = 1"],
+     "limits.heartbeat_timeout_s", 3, "expected a number > limits.heartbeat_interval_s (1.0)"),
+    ("shutdown grace too long", ["[limits]", "shutdown_grace_s = 10"],
+     "limits.shutdown_grace_s", 2, "expected a number >= 0 and < 10, got 10"),
+    ("stage not a table", ["[stages]", "decode = 3"], "stages.decode", 2, "expected a table, got integer 3"),
+    ("inline stage table", ["[stages]", "decode = { replicas = 0 }"], "stages.decode.replicas", 2, ">= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("lines", "key", "line", "fragment"), [c[1:] for c in BAD_FILES], ids=[c[0] for c in BAD_FILES]
+)
+def test_bad_file(tmp_path: Path, lines: list[str], key: str, line: int, fragment: str) -> None:
+    file = tmp_path / "topology.toml"
+    file.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TopologyError) as caught:
+        load_topology(file)
+    e = caught.value
+    assert (e.path, e.key, e.line) == (file, key, line), str(e)
+    assert fragment in e.message, str(e)
+    assert str(e) == f"{file}:{line}: {key}: {e.message}"
+    assert e.exit_code == 2
+
+
+def test_error_without_line_and_pickling() -> None:
+    e = TopologyError(Path("t.toml"), None, "server.port", "bad")
+    assert str(e) == "t.toml: server.port: bad"
+    again = pickle.loads(pickle.dumps(e))
+    assert (again.path, again.line, again.key, again.message) == (e.path, None, "server.port", "bad")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="cannot read the topology file"):
+        load_topology(tmp_path / "nope.toml")
+
+
+def test_line_map() -> None:
+    lines = LineMap(
+        "# comment\n"                                   # 1
+        "[stages.decode]\n"                             # 2
+        "cores = [\n"                                   # 3
+        "  0,  # x = 1 is not a key\n"                  # 4
+        "]\n"                                           # 5
+        'note = """\n'                                  # 6
+        "fake = 1\n"                                    # 7
+        '"""\n'                                         # 8
+        "[[links]]\n"                                   # 9
+        "options.bandwidth = 3\n"                       # 10
+        "[[links]]\n"                                   # 11
+        "[links.options]\n"                             # 12
+        "latency = { ms = 1 }\n"                        # 13
+        "[stages]\n"                                    # 14
+        '"egress".port = 1\n'                           # 15
+    )
+    assert lines.line_of("stages.decode") == 2
+    assert lines.line_of("stages.decode.cores") == 3
+    assert lines.line_of("stages.decode.fake") == 2  # inside a string: not a key
+    assert lines.line_of("stages.decode.x") == 2
+    assert lines.line_of("links[0].options.bandwidth") == 10
+    assert lines.line_of("links[1]") == 11
+    assert lines.line_of("links[1].options") == 12
+    assert lines.line_of("links[1].options.latency.ms") == 13
+    assert lines.line_of("stages.egress.port") == 15
+    assert lines.line_of("server.port") is None
+    assert lines.key_at(10) == "links[0].options.bandwidth"
+    assert lines.key_at(5) == "stages.decode"
+
+
+def test_uses_transport_registry_and_model_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When pdflow.transports and pdflow.models are importable, their answers are the ones used."""
+    transports = types.ModuleType("pdflow.transports")
+    def availability(name: str) -> str | None:
+        return None if name == "shm" else f"pip install pdflow[{name}]"
+
+    transports.availability = availability  # type: ignore[attr-defined]
+    models = types.ModuleType("pdflow.models")
+    models.KNOWN_MODELS = {"smollm2": object(), "qwen3": object()}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pdflow.transports", transports)
+    monkeypatch.setitem(sys.modules, "pdflow.models", models)
+    link = ["[[links]]", 'src = "kv_shuttle"', 'dst = "decode"']
+    t = parse("[model]", 'source = "qwen3"', *link, 'transport = "shm"')
+    assert (t.model.served_name, t.link("kv_shuttle", "decode").transport) == ("qwen3", "shm")
+    with pytest.raises(TopologyError, match=r"transport 'ucx' is not available: pip install pdflow\[ucx\]"):
+        parse(*link, 'transport = "ucx"')
+    with pytest.raises(TopologyError, match="expected one of qwen3, smollm2"):
+        parse("[model]", 'source = "zzz"')
