@@ -44,7 +44,8 @@ def build_app(ingress) -> FastAPI:
     async def health() -> JSONResponse:
         down = sorted(f"{stage}-{replica}" for stage, replica in ingress.down)
         ok = ingress.accepting and not down
-        body = {"status": "ok" if ok else "degraded", "down": down, "in_flight": len(ingress.pending)}
+        body = {"status": "ok" if ok else "degraded", "down": down, "in_flight": len(ingress.pending),
+                "stages": ingress.stage_status}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")

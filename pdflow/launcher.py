@@ -28,6 +28,7 @@ from pdflow.messages import (
     Ready,
     StageDown,
     StageFailed,
+    StageStatus,
     StageUp,
     decoder,
     encoder,
@@ -37,6 +38,7 @@ from pdflow.topology import Topology
 
 log = structlog.get_logger()
 _TICK_S = 0.1
+_STATUS_EVERY_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -151,9 +153,13 @@ class Launcher:
 
     async def _supervise(self) -> int:
         limits = self.topology.limits
+        next_status = 0.0
         while not self.stop_requested.is_set():
             await self._drain_inbox(_TICK_S)
             now = time.monotonic()
+            if now >= next_status:
+                await self._publish_status()
+                next_status = now + _STATUS_EVERY_S
             for rep in self.replicas.values():
                 if rep.restart_at is not None:
                     if now >= rep.restart_at:
@@ -169,6 +175,15 @@ class Launcher:
                 if not await self._on_death(rep, reason):
                     return 1
         return 0
+
+    def _state(self, rep: _Replica) -> str:
+        return "ready" if rep.ready else ("restarting" if rep.restart_at else "starting")
+
+    async def _publish_status(self) -> None:
+        for rep in self.replicas.values():
+            pid = rep.process.pid if rep.process else 0
+            status = StageStatus(rep.stage, rep.replica, self._state(rep), pid, rep.in_flight, rep.restarts)
+            await self.pub.send(self._encode(status))
 
     @staticmethod
     def _exit_reason(exitcode: int | None) -> str:
@@ -222,7 +237,7 @@ class Launcher:
         for rep in self.replicas.values():
             cfg = self.topology.stages[rep.stage]
             pid = rep.process.pid if rep.process else "-"
-            state = "ready" if rep.ready else ("restarting" if rep.restart_at else "starting")
+            state = self._state(rep)
             cores = ",".join(map(str, cfg.cores)) or "any"
             lines.append(f"  {self._name(rep):<14}{pid:>8}  {cores:<10}{cfg.device:<8}{state:<10}{rep.restarts:>8}")
         sys.stdout.write("\n".join(lines) + "\n")

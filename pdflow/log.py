@@ -13,7 +13,9 @@ def configure_logging(fmt: str = "console", level: str = "info", **context) -> N
     renderer = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        else structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
     )
     structlog.configure(
         processors=[
@@ -31,3 +33,9 @@ def configure_logging(fmt: str = "console", level: str = "info", **context) -> N
     structlog.contextvars.bind_contextvars(**context)
     for noisy in ("transformers", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:  # no "Loading weights" bars in stage logs
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass

@@ -203,6 +203,17 @@ class StageUp(_Message):
     replica: int
 
 
+class StageStatus(_Message):
+    """launcher -> every stage, every second, one per replica: what it is doing."""
+
+    stage: str
+    replica: int
+    state: str  # "starting" | "ready" | "restarting"
+    pid: int
+    in_flight: int
+    restarts: int
+
+
 class Shutdown(_Message):
     """launcher -> every stage: stop taking work; finish or fail what is in flight within grace_s."""
 
@@ -248,6 +259,7 @@ ControlMessage = (
     | StageFailed
     | StageDown
     | StageUp
+    | StageStatus
     | Shutdown
 )
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import structlog
 
 from pdflow.bus import Bus
-from pdflow.messages import PROTOCOL_VERSION, Heartbeat, Ready, StageDown, StageUp
+from pdflow.messages import PROTOCOL_VERSION, Heartbeat, Ready, StageDown, StageStatus, StageUp
 from pdflow.topology import StageConfig, Topology
 
 Handler = Callable[[Any], Awaitable[None] | None]
@@ -67,6 +67,9 @@ class Stage:
         return None
 
     def on_stage_up(self, message: StageUp) -> Awaitable[None] | None:
+        return None
+
+    def on_stage_status(self, message: StageStatus) -> Awaitable[None] | None:
         return None
 
     def request_stop(self) -> None:
@@ -125,7 +128,7 @@ class Stage:
             await self._dispatch(table, await self.bus.recv())
 
     async def _launcher_loop(self) -> None:
-        table = {StageDown: self.on_stage_down, StageUp: self.on_stage_up}
+        table = {StageDown: self.on_stage_down, StageUp: self.on_stage_up, StageStatus: self.on_stage_status}
         while True:
             message = await self.bus.recv_launcher()
             if type(message) in table:

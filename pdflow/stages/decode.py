@@ -58,6 +58,7 @@ class DecodeStage(Stage):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="decode-step")
         self.incoming: dict[str, _Incoming] = {}
         self.by_region: dict[int, _Incoming] = {}
+        self.early_done: dict[str, PrefillDone] = {}  # PrefillDone that beat its DecodeRequest here
         self.waiting: list[_Incoming] = []  # all KV here, not yet in the batch
         self.running: dict[str, Sequence] = {}
         self.to_remove: set[str] = set()
@@ -95,17 +96,25 @@ class DecodeStage(Stage):
         self.by_region[region] = entry
         destination = KvDestination(message.request_id, self.from_shuttle.address, region, nbytes)
         await self.bus.send("kv_shuttle", message.route.shuttle, destination)
+        early = self.early_done.pop(message.request_id, None)
+        if early is not None:
+            self.on_prefill_done(early)
 
     def on_prefill_done(self, message: PrefillDone) -> None:
         entry = self.incoming.get(message.request_id)
         if entry is None:
+            if len(self.early_done) < 10_000:
+                self.early_done[message.request_id] = message
             return
         entry.done = message
         self._maybe_complete(entry)
 
     async def _notice_loop(self) -> None:
-        while True:
-            notice = await self.from_shuttle.next_notice()
+        while not self.stopping.is_set():
+            try:
+                notice = await self.from_shuttle.next_notice()
+            except transports.TransportClosed:
+                return
             entry = self.by_region.get(notice.header.region)
             if entry is None:
                 continue
@@ -137,6 +146,7 @@ class DecodeStage(Stage):
         self.spawn(self.bus.send("kv_shuttle", entry.request.route.shuttle, KvReleased(rid)))
 
     def _drop(self, request_id: str) -> None:
+        self.early_done.pop(request_id, None)
         entry = self.incoming.get(request_id)
         if entry is not None:
             self._release(entry)

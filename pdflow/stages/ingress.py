@@ -27,6 +27,7 @@ from pdflow.messages import (
     Route,
     SamplingParams,
     StageDown,
+    StageStatus,
     StageUp,
     TextDelta,
 )
@@ -74,6 +75,7 @@ class IngressStage(Stage):
         self.pending: dict[str, PendingRequest] = {}
         self.timelines: OrderedDict[str, dict] = OrderedDict()
         self.down: set[tuple[str, int]] = set()
+        self.stage_status: dict[str, dict] = {}  # "decode-0" -> the launcher's latest StageStatus
         self.accepting = True
         self._next = {stage: 0 for stage in _ROUTED}
         server = self.topology.server
@@ -128,9 +130,10 @@ class IngressStage(Stage):
         self.pending[request_id] = pending
         n = len(prompt_ids)
         bus = self.bus
+        # in the order each is needed (the stages also cope with any other order)
         await bus.send("egress", route.egress, EgressRequest(request_id, n, params.max_tokens, stop, skip_special_tokens, route))
-        await bus.send("decode", route.decode, DecodeRequest(request_id, n, params, route))
         await bus.send("kv_shuttle", route.shuttle, KvExpected(request_id, n, route))
+        await bus.send("decode", route.decode, DecodeRequest(request_id, n, params, route))
         await bus.send("prefill", route.prefill, PrefillRequest(request_id, prompt_ids, params, route))
         return pending
 
@@ -163,6 +166,13 @@ class IngressStage(Stage):
 
     def on_stage_up(self, message: StageUp) -> None:
         self.down.discard((message.stage, message.replica))
+
+    def on_stage_status(self, message: StageStatus) -> None:
+        name = f"{self.topology.stages[message.stage].display_name}-{message.replica}"
+        self.stage_status[name] = {
+            "state": message.state, "pid": message.pid, "in_flight": message.in_flight,
+            "restarts": message.restarts,
+        }
 
     # --- shutting down ----------------------------------------------------------------------
 

@@ -27,7 +27,6 @@ class _Entry:
     request: KvExpected
     buffer: torch.Tensor
     region: int
-    decode_destination: asyncio.Future
     forwards: set = field(default_factory=set)
 
 
@@ -46,6 +45,8 @@ class KvShuttleStage(Stage):
         outbound = topo.link("kv_shuttle", "decode")
         self.to_decode = transports.create(outbound.transport, host=cfg.host, **outbound.options)
         self.entries: dict[str, _Entry] = {}
+        # decode may name its destination before ingress's KvExpected gets here: either may come first
+        self.decode_destinations: dict[str, asyncio.Future[KvDestination]] = {}
         self.by_region: dict[int, _Entry] = {}
         self.pool_used = 0
         self._next_region = 0
@@ -60,7 +61,7 @@ class KvShuttleStage(Stage):
             KvExpected: self.on_expected,
             KvDestination: self.on_decode_destination,
             KvReleased: lambda m: self._free(m.request_id),
-            Cancel: lambda m: self._free(m.request_id),
+            Cancel: self.on_cancel,
         }
 
     def in_flight(self) -> int:
@@ -75,28 +76,39 @@ class KvShuttleStage(Stage):
         region = self._next_region
         self._next_region += 1
         self.from_prefill.register(region, transports.byte_view(buffer, writable=True))
-        entry = _Entry(message, buffer, region, asyncio.get_running_loop().create_future())
+        entry = _Entry(message, buffer, region)
         self.entries[message.request_id] = entry
         self.by_region[region] = entry
         self.pool_used += nbytes
         destination = KvDestination(message.request_id, self.from_prefill.address, region, nbytes)
         await self.bus.send("prefill", message.route.prefill, destination)
 
+    def _decode_destination(self, request_id: str) -> asyncio.Future[KvDestination]:
+        future = self.decode_destinations.get(request_id)
+        if future is None:
+            future = self.decode_destinations[request_id] = asyncio.get_running_loop().create_future()
+        return future
+
     def on_decode_destination(self, message: KvDestination) -> None:
-        entry = self.entries.get(message.request_id)
-        if entry is not None and not entry.decode_destination.done():
-            entry.decode_destination.set_result(message)
+        future = self._decode_destination(message.request_id)
+        if not future.done():
+            future.set_result(message)
+
+    def on_cancel(self, message: Cancel) -> None:
+        self._free(message.request_id)
+        future = self.decode_destinations.pop(message.request_id, None)
+        if future is not None:
+            future.cancel()
 
     def _free(self, request_id: str) -> None:
         entry = self.entries.pop(request_id, None)
         if entry is None:
             return
+        self.decode_destinations.pop(request_id, None)
         self.by_region.pop(entry.region, None)
         self.from_prefill.unregister(entry.region)
         for task in entry.forwards:
             task.cancel()
-        if not entry.decode_destination.done():
-            entry.decode_destination.cancel()
         self.pool_used -= entry.buffer.numel()
 
     async def _fail(self, request: KvExpected, message: str) -> None:
@@ -105,8 +117,11 @@ class KvShuttleStage(Stage):
         await self.bus.send("ingress", request.route.ingress, failure)
 
     async def _notice_loop(self) -> None:
-        while True:
-            notice = await self.from_prefill.next_notice()
+        while not self.stopping.is_set():
+            try:
+                notice = await self.from_prefill.next_notice()
+            except transports.TransportClosed:
+                return
             entry = self.by_region.get(notice.header.region)
             if entry is None:
                 continue  # cancelled meanwhile
@@ -121,7 +136,7 @@ class KvShuttleStage(Stage):
     async def _forward(self, entry: _Entry, header: KvChunkHeader) -> None:
         try:
             destination = await asyncio.wait_for(
-                asyncio.shield(entry.decode_destination), self.limits.request_timeout_s
+                asyncio.shield(self._decode_destination(entry.request.request_id)), self.limits.request_timeout_s
             )
             data = transports.byte_view(entry.buffer[header.offset : header.offset + header.nbytes])
             await self.to_decode.write(destination.address, msgspec.structs.replace(header, region=destination.region), data)

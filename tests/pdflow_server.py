@@ -1,0 +1,143 @@
+"""Start `pdflow run` on free ports in a subprocess, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+_PORTS = 10  # server, control (2), five stage control ports, two data ports
+
+
+def _free_base() -> int:
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - _PORTS)
+        try:
+            for port in range(base, base + _PORTS):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range found")
+
+
+def topology_text(base: int, transport: str = "tcp", extra: str = "") -> str:
+    return f"""
+[model]
+source = "smollm2"
+
+[server]
+port = {base}
+
+[control]
+port = {base + 1}
+
+[limits]
+max_batch = 32
+ready_timeout_s = 240
+heartbeat_timeout_s = 10
+request_timeout_s = 120
+
+[stages.ingress]
+port = {base + 3}
+[stages.prefill]
+port = {base + 4}
+cores = [0]
+[stages.kv_shuttle]
+port = {base + 5}
+data_port = {base + 8}
+[stages.decode]
+port = {base + 6}
+data_port = {base + 9}
+cores = [1]
+[stages.egress]
+port = {base + 7}
+
+[[links]]
+src = "prefill"
+dst = "kv_shuttle"
+transport = "{transport}"
+
+[[links]]
+src = "kv_shuttle"
+dst = "decode"
+transport = "{transport}"
+{extra}
+"""
+
+
+class PdflowServer:
+    """``with PdflowServer(tmp) as s:`` runs `pdflow run` until the block ends (SIGTERM)."""
+
+    def __init__(self, workdir: Path, transport: str = "tcp", extra: str = "", startup_timeout_s: float = 240):
+        self.workdir = workdir
+        base = _free_base()
+        self.url = f"http://127.0.0.1:{base}"
+        self.topology = workdir / "topology.toml"
+        self.topology.write_text(topology_text(base, transport, extra))
+        self.log_path = workdir / "pdflow.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "PdflowServer":
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "pdflow.cli", "run", str(self.topology)]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdflow run exited with {self.proc.returncode}:\n{self.log()}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"pdflow run not ready in {self.startup_timeout_s} s:\n{self.log()}")
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def health(self) -> dict | None:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def healthy(self) -> bool:
+        body = self.health()
+        return bool(body) and body.get("status") == "ok"
+
+    def wait_healthy(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.healthy():
+                return True
+            time.sleep(0.25)
+        return False
+
+    def stage_pids(self) -> dict[str, int]:
+        body = self.health() or {}
+        return {name: info["pid"] for name, info in body.get("stages", {}).items()}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-20000:]
+
+    def stop(self, timeout_s: float = 15) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        finally:
+            self._log.close()

@@ -1,0 +1,154 @@
+"""The `pdflow` command line, run as a real subprocess: help, version, validate, and bad files that
+`validate` and `run` both refuse with status 2 before anything starts. No model is loaded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdflow import __version__
+
+REPO = Path(__file__).parents[1]
+DEFAULT = REPO / "topology.toml"
+
+
+def pdflow(*args: str, cache: Path | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if cache is not None:
+        env["PDFLOW_CACHE_DIR"] = str(cache)
+    return subprocess.run(
+        [sys.executable, "-m", "pdflow.cli", *args],
+        capture_output=True, text=True, timeout=120, cwd=cwd, env=env,
+    )
+
+
+def test_help_lists_the_commands() -> None:
+    result = pdflow("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("run", "validate", "models"):
+        assert f"    {command} " in result.stdout, command
+    assert "--version" in result.stdout
+    assert "pdflow validate topology.toml" in result.stdout  # the examples
+
+
+def test_no_command_is_a_usage_error() -> None:
+    result = pdflow()
+    assert result.returncode == 2
+    assert "usage: pdflow" in result.stderr and "COMMAND" in result.stderr
+
+
+def test_run_help() -> None:
+    result = pdflow("run", "--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("usage: pdflow run")
+    for text in ("topology", "--log-format", "console", "json", "--log-level", "debug", "info",
+                 "warning", "error", "SIGINT"):
+        assert text in out, text
+
+
+def test_validate_help() -> None:
+    result = pdflow("validate", "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: pdflow validate")
+    assert "topology" in result.stdout and "status 2" in result.stdout
+
+
+def test_models_help() -> None:
+    result = pdflow("models", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "pull" in result.stdout and "list" in result.stdout and "PDFLOW_CACHE_DIR" in result.stdout
+    result = pdflow("models", "pull", "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: pdflow models pull")
+    for text in ("name", "--force", "--quiet", "pdflow models list"):
+        assert text in result.stdout, text
+
+
+def test_version() -> None:
+    result = pdflow("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"pdflow {__version__}"
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "pdflow"
+    if not script.exists():
+        pytest.skip(f"no console script next to {sys.executable} (pdflow is not installed in this environment)")
+    result = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, f"pdflow {__version__}")
+
+
+def test_validate_the_default_topology() -> None:
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("the default topology pins decode to core 1, which this machine does not have")
+    result = pdflow("validate", str(DEFAULT))
+    assert result.returncode == 0, result.stderr
+    assert f"{DEFAULT}: valid" in result.stdout
+    for text in ("model: smollm2", "kv-shuttle", "data :5640", "link prefill -> kv_shuttle: tcp",
+                 "link kv_shuttle -> decode: tcp"):
+        assert text in result.stdout, text
+
+
+def test_validate_a_relative_path(tmp_path: Path) -> None:
+    (tmp_path / "small.toml").write_text("[server]\nport = 8123\n")
+    result = pdflow("validate", "small.toml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"{tmp_path / 'small.toml'}: valid" in result.stdout  # reported as an absolute path
+
+
+# (file name, text, line, key, part of the message)
+BAD_FILES = [
+    ("unknown_key.toml", '[limits]\nmax_batch = 4\nmax_bacth = 8\n', 3, "limits.max_bacth",
+     "unknown key 'max_bacth'; did you mean 'max_batch'?"),
+    ("wrong_type.toml", '[server]\nhost = "127.0.0.1"\nport = "8000"\n', 3, "server.port",
+     'expected an integer, got string "8000"'),
+    ("wrong_type_nested.toml", '[stages.decode]\nreplicas = 1\ncores = "1"\n', 3, "stages.decode.cores",
+     "expected an array"),
+    ("port_clash.toml", "# egress on decode's port\n[stages.egress]\nport = 5540\n", 3, "stages.egress.port",
+     "port 5540 is also used by stages.decode.port"),
+    ("unknown_transport.toml",
+     '[[links]]\nsrc = "prefill"\ndst = "kv_shuttle"\ntransport = "carrier-pigeon"\n', 4,
+     "links[0].transport", "carrier-pigeon"),
+    ("syntax.toml", "[model]\nsource = smollm2\n", 2, "model.source", "invalid TOML"),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "line", "key", "message"), BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_validate_a_bad_file(tmp_path: Path, name: str, text: str, line: int, key: str, message: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    result = pdflow("validate", str(path))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert f"{path}:{line}: {key}: " in result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "valid" not in result.stdout
+
+
+def test_run_refuses_a_bad_file_before_starting_anything(tmp_path: Path) -> None:
+    path = tmp_path / "port_clash.toml"
+    path.write_text("[stages.egress]\nport = 5540\n")
+    cache = tmp_path / "cache"
+    result = pdflow("run", str(path), "--log-level", "debug", cache=cache)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert f"{path}:2: stages.egress.port: " in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    assert not cache.exists() or not any(cache.iterdir()), "run went on to pull the model"
+    # exactly what validate says
+    assert pdflow("validate", str(path)).stderr == result.stderr
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_missing_file(tmp_path: Path, command: str) -> None:
+    path = tmp_path / "nowhere" / "topology.toml"
+    result = pdflow(command, str(path), cache=tmp_path / "cache")
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert str(path) in result.stderr
+    assert "cannot read the topology file" in result.stderr and "No such file" in result.stderr
+    assert "Traceback" not in result.stderr

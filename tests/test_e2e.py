@@ -1,0 +1,180 @@
+"""End to end: real stage processes started by `pdflow run`, the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Count from one to ten in words.",
+    "What is 12 times 12?",
+    "Write one sentence about the moon.",
+    "Give me a synonym for happy.",
+    "What language is spoken in Brazil?",
+    "Describe a cat in five words.",
+]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+def test_chat_completion_answers_paris(client):
+    reply = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=30)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
+
+
+def test_streaming_chat_answers_paris(client):
+    stream = client.chat.completions.create(
+        model="smollm2", messages=FRANCE, temperature=0, max_tokens=30, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_streamed_and_plain_agree(client):
+    plain = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=20)
+    stream = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=20,
+                                            stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == plain.choices[0].message.content
+
+
+def test_completions_max_tokens_and_stop(client):
+    full = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0,
+                                     max_tokens=5)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 5
+    first_word = full.choices[0].text.split()[0]
+    stopped = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0,
+                                        max_tokens=5, stop=[first_word])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert first_word not in stopped.choices[0].text
+
+
+def test_seeded_sampling_repeats(client):
+    kwargs = dict(model="smollm2", messages=FRANCE, temperature=1.0, top_p=0.9, seed=7, max_tokens=16)
+    first = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == first
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    health = server.health()
+    assert health["status"] == "ok"
+    assert set(health["stages"]) == {"ingress-0", "prefill-0", "kv-shuttle-0", "decode-0", "egress-0"}
+
+
+async def _stream_text(aclient, question: str) -> str:
+    stream = await aclient.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=24,
+        stream=True,
+    )
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+def test_32_concurrent_streams_each_equal_its_single_request_output(aclient):
+    async def scenario():
+        single = {q: await _stream_text(aclient, q) for q in QUESTIONS}
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(32)]
+        together = await asyncio.gather(*(_stream_text(aclient, q) for q in questions))
+        return single, questions, together
+
+    single, questions, together = asyncio.run(scenario())
+    assert all(single.values())
+    for question, text in zip(questions, together):
+        assert text == single[question], question
+
+
+def test_decode_receives_layer_0_before_prefill_finishes_its_last_layer(client, server):
+    long_prompt = "Summarize the following notes. " + " ".join(
+        f"Note {i}: the shipment of part {i * 7} arrived on day {i % 30} in good order." for i in range(90)
+    )
+    reply = client.completions.create(model="smollm2", prompt=long_prompt, temperature=0, max_tokens=2)
+    assert reply.usage.prompt_tokens > 1500
+    timeline = httpx.get(f"{server.url}/debug/timeline/{reply.id}").json()
+    layers = len(timeline["prefill.layer_done"])
+    assert layers == 30 and len(timeline["decode.layer_in"]) == layers
+    # recorded with one monotonic clock on this host: layer 0 landed in decode's memory
+    # (through kv-shuttle) while prefill was still computing later layers
+    assert timeline["decode.layer_in"][0] < timeline["prefill.layer_done"][-1]
+    assert all(t > 0 for t in timeline["decode.layer_in"])
+
+
+def test_client_disconnect_cancels_everywhere(server):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
+        seen = 0
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                seen += 1
+            if seen >= 5:
+                break
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        health = server.health()
+        if health["in_flight"] == 0 and all(s["in_flight"] == 0 for s in health["stages"].values()):
+            break
+        time.sleep(0.25)
+    else:
+        pytest.fail(f"request still in flight after the client left: {health}")
+    assert "request.cancelled" in server.log()
+
+
+LONG_PROMPT = "hello " * 9000
+
+
+@pytest.mark.parametrize(
+    "path, body, param, fragment",
+    [
+        ("/v1/chat/completions", b"{not json", None, "invalid JSON"),
+        ("/v1/chat/completions", {"model": "smollm2"}, "messages", "messages"),
+        ("/v1/chat/completions", {"messages": []}, "messages", "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "messages.0.content", "content"),
+        ("/v1/chat/completions", {"model": "gpt-9", "messages": FRANCE}, "model", "gpt-9"),
+        ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 0}, "max_tokens", "max_tokens"),
+        ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 100000}, "max_tokens", "context"),
+        ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": "ten"}, "max_tokens", "max_tokens"),
+        ("/v1/chat/completions", {"messages": FRANCE, "temperature": "hot"}, "temperature", "temperature"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages", "context"),
+        ("/v1/completions", {"prompt": LONG_PROMPT}, "prompt", "context"),
+        ("/v1/completions", {"model": "smollm2"}, "prompt", "prompt"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "n"),
+    ],
+)
+def test_bad_input_gets_400_naming_the_field(server, path, body, param, fragment):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{server.url}{path}", headers={"content-type": "application/json"}, timeout=30,
+                          **kwargs)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert fragment in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_openai_client_sees_bad_request_error(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smollm2", messages=FRANCE, max_tokens=0)

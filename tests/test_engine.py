@@ -1,0 +1,127 @@
+"""The engine's greedy output equals transformers' own generate(), alone and in a running batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model, load_tokenizer, prefill
+from pdflow.messages import SamplingParams
+
+NEW_TOKENS = 24
+PROMPTS = [
+    "What is the capital of France?",
+    "hi",
+    "Write a haiku about the sea and the wind blowing over waves at night.",
+    "Explain, step by step, how a transformer language model turns a prompt into an answer. "
+    + "Cover tokenization, embeddings, attention, the feed-forward layers and sampling. " * 6,
+]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    loaded = load_model(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        for p in PROMPTS
+    ]
+    return loaded, prompts
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """generate()'s greedy tokens, cut after the first end-of-sequence token."""
+    loaded, prompts = engine
+    out = []
+    for ids in prompts:
+        generated = loaded.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        tokens = generated[0, len(ids):].tolist()
+        for i, t in enumerate(tokens):
+            if t in loaded.eos_token_ids:
+                tokens = tokens[: i + 1]
+                break
+        out.append(tokens)
+    return out
+
+
+def _greedy() -> Sampler:
+    return Sampler(SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+
+
+def _prefilled(loaded, ids, request_id):
+    """Prefill one prompt; return its Sequence and a layer -> (keys, values) function."""
+    kv = {}
+
+    def sink(layer, keys, values):
+        kv[layer] = (keys, values.transpose(0, 1))
+
+    sampler = _greedy()
+    result = prefill(loaded, ids, sampler, sink)
+    return Sequence(request_id, len(ids), result.first_token, sampler), kv.__getitem__
+
+
+def _decode(loaded, prompts, join_after: dict[int, int] | None = None) -> list[list[int]]:
+    """Decode all prompts in one batch; prompt i joins after ``join_after[i]`` steps (default 0)."""
+    join_after = join_after or {}
+    batch = DecodeBatch(loaded, max_batch=8)
+    outputs: dict[int, list[int]] = {}
+    waiting = list(range(len(prompts)))
+    step = 0
+    while waiting or len(batch):
+        for i in [i for i in waiting if join_after.get(i, 0) <= step]:
+            seq, layer_kv = _prefilled(loaded, prompts[i], str(i))
+            batch.add(seq, layer_kv)
+            outputs[i] = [seq.next_token]
+            waiting.remove(i)
+        for seq, token in batch.step():
+            outputs[int(seq.request_id)].append(token)
+        for seq in list(batch.sequences):
+            if seq.generated >= NEW_TOKENS or seq.next_token in loaded.eos_token_ids:
+                batch.remove(seq)
+        step += 1
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def test_each_prompt_alone_equals_generate(engine, reference):
+    loaded, prompts = engine
+    for ids, expected in zip(prompts, reference):
+        assert _decode(loaded, [ids]) == [expected]
+
+
+def test_batched_equals_generate(engine, reference):
+    loaded, prompts = engine
+    assert _decode(loaded, prompts) == reference
+
+
+def test_requests_joining_a_running_batch_equal_generate(engine, reference):
+    loaded, prompts = engine
+    assert _decode(loaded, prompts, join_after={1: 3, 2: 5, 3: 9}) == reference
+
+
+def test_france_answer(engine, reference, model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    assert "Paris" in tokenizer.decode(reference[0])
+
+
+def test_prefill_hands_out_every_layer_in_order_with_the_models_own_kv(engine):
+    loaded, prompts = engine
+    ids = prompts[2]
+    seen = []
+
+    def sink(layer, keys, values):
+        seen.append((layer, keys.clone(), values.clone()))
+
+    prefill(loaded, ids, _greedy(), sink)
+    layout = loaded.layout
+    assert [layer for layer, _, _ in seen] == list(range(layout.num_layers))
+    with torch.inference_mode():
+        cache = loaded.model(torch.tensor([ids]), use_cache=True).past_key_values
+    for layer, keys, values in seen:
+        assert keys.shape == layout.shape(len(ids), 0) and keys.is_contiguous()
+        assert values.shape == layout.shape(len(ids), 1) and values.is_contiguous()
+        expected_k = cache.layers[layer].keys[0]
+        expected_v = cache.layers[layer].values[0]
+        torch.testing.assert_close(keys, expected_k, rtol=0, atol=1e-5)
+        torch.testing.assert_close(values.transpose(0, 1), expected_v, rtol=0, atol=1e-5)
