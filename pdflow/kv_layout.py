@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xxhash
+
+from pdflow.checksum import checksum
+
+__all__ = ["KEYS", "VALUES", "KvLayout", "checksum", "dtype_name", "torch_dtype"]
 
 KEYS, VALUES = 0, 1
 
@@ -28,11 +31,6 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def checksum(data) -> int:
-    """xxh3-64 of a buffer (a read of the bytes, no copy)."""
-    return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,7 +167,10 @@ class Launcher:
                     continue
                 if not rep.process.is_alive():
                     reason = self._exit_reason(rep.process.exitcode)
-                elif now - rep.last_seen > limits.heartbeat_timeout_s:
+                elif not rep.ready and now - rep.started_at > limits.ready_timeout_s:
+                    reason = f"not ready {limits.ready_timeout_s} s after (re)start"
+                    rep.process.kill()
+                elif rep.ready and now - rep.last_seen > limits.heartbeat_timeout_s:
                     reason = f"no heartbeat for {now - rep.last_seen:.1f} s"
                     rep.process.kill()
                 else:

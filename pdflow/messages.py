@@ -15,11 +15,12 @@ import msgspec
 PROTOCOL_VERSION = 1
 
 
-class _Message(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False, tag=True):
+# (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
+class _Message(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=True):
     pass
 
 
-class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """How to pick each next token. ``temperature == 0`` means greedy."""
 
     max_tokens: int = 16
@@ -214,12 +215,6 @@ class StageStatus(_Message):
     restarts: int
 
 
-class Shutdown(_Message):
-    """launcher -> every stage: stop taking work; finish or fail what is in flight within grace_s."""
-
-    grace_s: float
-
-
 class KvChunkHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Describes one chunk of KV bytes on the data plane.
 
@@ -260,7 +255,6 @@ ControlMessage = (
     | StageDown
     | StageUp
     | StageStatus
-    | Shutdown
 )
 
 ALL_MESSAGES: tuple[type, ...] = ControlMessage.__args__  # type: ignore[attr-defined]

@@ -48,6 +48,7 @@ class Stage:
         self.log = structlog.get_logger()
         self.stopping = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self.crashed: BaseException | None = None
 
     # --- for subclasses ---------------------------------------------------------------------
 
@@ -76,32 +77,38 @@ class Stage:
         """SIGTERM/SIGINT: the launcher stops ingress first, so others have nothing left."""
         self.stopping.set()
 
-    def spawn(self, coro) -> asyncio.Task:
-        """Run a task that is kept alive, and whose failure is logged, not lost."""
+    def spawn(self, coro, *, essential: bool = False) -> asyncio.Task:
+        """Run a task that is kept alive, and whose failure is logged, not lost. When an
+        ``essential`` task (a loop the stage cannot work without) ends, the stage crashes, so the
+        launcher restarts it instead of it going on deaf behind its heartbeats."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(lambda t: self._task_done(t, essential))
         return task
 
     # --- the machinery ---------------------------------------------------------------------
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task, essential: bool) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.log.error("stage.task.failed", exc_info=task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self.log.error("stage.task.failed", task=task.get_coro().__qualname__, exc_info=error)
+        if essential and not self.stopping.is_set():
+            self.crashed = error or RuntimeError(f"{task.get_coro().__qualname__} ended")
+            self.stopping.set()
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+        # SIGINT stays ignored: a terminal's Ctrl-C reaches the whole process group, and the
+        # launcher turns it into SIGTERMs in the right order (ingress drains first)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.request_stop)
         self.bus.start()
         await self.setup()
         await self.bus.send_launcher(Ready(self.ctx.stage, self.replica, os.getpid(), PROTOCOL_VERSION))
         self.log.info("stage.ready", pid=os.getpid())
         loops = [
-            self.spawn(self._inbox_loop()),
-            self.spawn(self._launcher_loop()),
-            self.spawn(self._heartbeat_loop()),
+            self.spawn(self._inbox_loop(), essential=True),
+            self.spawn(self._launcher_loop(), essential=True),
+            self.spawn(self._heartbeat_loop(), essential=True),
         ]
         await self.stopping.wait()
         self.log.info("stage.stopping", in_flight=self.in_flight())
@@ -109,6 +116,8 @@ class Stage:
             task.cancel()
         await self.teardown()
         self.bus.close()
+        if self.crashed is not None:
+            raise RuntimeError("an essential loop of the stage ended") from self.crashed
 
     async def _dispatch(self, table: dict[type, Handler], message) -> None:
         handler = table.get(type(message))

@@ -9,7 +9,7 @@ import pytest
 from pdflow.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Cancel, DecodeRequest, EgressRequest, Heartbeat, Hello,
     KvChunkHeader, KvDestination, KvExpected, KvReleased, PrefillDone, PrefillRequest,
-    ProtocolMismatch, Ready, RequestFailed, Route, SamplingParams, Shutdown, StageDown, StageFailed,
+    ProtocolMismatch, Ready, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
     StageStatus, StageUp, StopRequest, TextDelta, Tokens, check_hello, decoder, encoder,
 )
 
@@ -58,14 +58,13 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     StageDown: [StageDown("kv_shuttle", 0, "exited with status -9")],
     StageUp: [StageUp("kv_shuttle", 0)],
     StageStatus: [StageStatus("decode", 0, "restarting", 4244, 3, 2)],
-    Shutdown: [Shutdown(2.5)],
 }
 
 HEADER = KvChunkHeader("req-1", 29, 1, 0, 17, "bfloat16", (17, 3, 64), 4, 1_234_560, 6528, 2**64 - 1)
 
 
 def test_every_message_has_samples() -> None:
-    assert len(ALL_MESSAGES) == len(set(ALL_MESSAGES)) == 20
+    assert len(ALL_MESSAGES) == len(set(ALL_MESSAGES)) == len(SAMPLES)
     assert set(SAMPLES) == set(ALL_MESSAGES), "add samples for a new message here"
     for cls in ALL_MESSAGES:
         assert any(isinstance(m, cls) for m in SAMPLES[cls])

@@ -1,12 +1,8 @@
-"""The built-in stages, named as ``"module:Class"`` and imported only when a process needs one.
-
-Third-party stages register under the entry-point group ``pdflow.stages``.
-"""
+"""The built-in stages, named as ``"module:Class"`` and imported only when a process needs one."""
 
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import entry_points
 
 BUILTIN: dict[str, str] = {
     "ingress": "pdflow.stages.ingress:IngressStage",
@@ -20,9 +16,6 @@ BUILTIN: dict[str, str] = {
 def load_stage(name: str) -> type:
     target = BUILTIN.get(name)
     if target is None:
-        found = entry_points(group="pdflow.stages", name=name)
-        if not found:
-            raise LookupError(f"unknown stage {name!r}; built-in: {', '.join(BUILTIN)}")
-        return next(iter(found)).load()
+        raise LookupError(f"unknown stage {name!r}; built-in: {', '.join(BUILTIN)}")
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)

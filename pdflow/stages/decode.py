@@ -35,7 +35,7 @@ class _Incoming:
     """A request whose KV is still landing."""
 
     request: DecodeRequest
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None
     region: int
     chunks_left: int
     layer_in: list[float]
@@ -64,8 +64,8 @@ class DecodeStage(Stage):
         self.to_remove: set[str] = set()
         self.wake = asyncio.Event()
         self._next_region = 0
-        self.spawn(self._notice_loop())
-        self.spawn(self._step_loop())
+        self.spawn(self._notice_loop(), essential=True)
+        self.spawn(self._step_loop(), essential=True)
 
     async def teardown(self) -> None:
         await self.from_shuttle.aclose()
@@ -166,6 +166,7 @@ class DecodeStage(Stage):
             buffer = entry.buffer.to(self.model.device)
             seq = Sequence(entry.request.request_id, n, entry.done.first_token, Sampler(entry.request.sampling))
             self.batch.add(seq, lambda layer: layout.views(buffer, n, layer))
+            entry.buffer = buffer = None  # the batch holds the KV now: free the receive buffer
             seq.extra = {"entry": entry, "joined": time.monotonic()}
             admitted.append(seq)
         return admitted

@@ -50,7 +50,7 @@ class KvShuttleStage(Stage):
         self.by_region: dict[int, _Entry] = {}
         self.pool_used = 0
         self._next_region = 0
-        self.spawn(self._notice_loop())
+        self.spawn(self._notice_loop(), essential=True)
 
     async def teardown(self) -> None:
         await self.from_prefill.aclose()

@@ -38,16 +38,21 @@ class PrefillStage(Stage):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-forward")
         self.queue: asyncio.Queue[PrefillRequest] = asyncio.Queue()
         self.destinations: dict[str, asyncio.Future[KvDestination]] = {}
+        self.held: set[str] = set()  # queued or running
         self.cancelled: set[str] = set()
         self.running: str | None = None
-        self.spawn(self._worker())
+        self.spawn(self._worker(), essential=True)
 
     async def teardown(self) -> None:
         await self.to_shuttle.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def handlers(self):
-        return {PrefillRequest: self.queue.put_nowait, KvDestination: self.on_destination, Cancel: self.on_cancel}
+        return {PrefillRequest: self.on_request, KvDestination: self.on_destination, Cancel: self.on_cancel}
+
+    def on_request(self, message: PrefillRequest) -> None:
+        self.held.add(message.request_id)
+        self.queue.put_nowait(message)
 
     def in_flight(self) -> int:
         return self.queue.qsize() + (self.running is not None)
@@ -61,7 +66,8 @@ class PrefillStage(Stage):
             future.set_result(message)
 
     def on_cancel(self, message: Cancel) -> None:
-        self.cancelled.add(message.request_id)
+        if message.request_id in self.held:
+            self.cancelled.add(message.request_id)
         future = self.destinations.pop(message.request_id, None)
         if future is not None and not future.done():
             future.cancel()
@@ -71,6 +77,7 @@ class PrefillStage(Stage):
             request = await self.queue.get()
             if request.request_id in self.cancelled:
                 self.cancelled.discard(request.request_id)
+                self.held.discard(request.request_id)
                 continue
             self.running = request.request_id
             try:
@@ -80,6 +87,7 @@ class PrefillStage(Stage):
                 await self._fail(request, f"prefill failed: {exc}")
             finally:
                 self.running = None
+                self.held.discard(request.request_id)
                 self.cancelled.discard(request.request_id)
                 self.destinations.pop(request.request_id, None)
 

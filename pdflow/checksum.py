@@ -1,0 +1,8 @@
+"""The checksum every KV chunk carries (kept free of torch, so the data plane imports fast)."""
+
+import xxhash
+
+
+def checksum(data) -> int:
+    """xxh3-64 of a buffer (a read of the bytes, no copy)."""
+    return xxhash.xxh3_64_intdigest(data)

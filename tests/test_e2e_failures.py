@@ -1,0 +1,83 @@
+"""End to end, when things go wrong: a stage killed mid-stream, and SIGTERM to the launcher.
+
+The tests share one `pdflow run`; the SIGTERM test stops it, so it comes last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+STORY = [{"role": "user", "content": "Tell me a very long story about a lighthouse keeper."}]
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "\nState:\tZ" not in status.read_text()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_killing_decode_mid_stream_fails_the_request_then_decode_comes_back(client, server):
+    old_pid = server.stage_pids()["decode-0"]
+    stream = client.chat.completions.create(model="smollm2", messages=STORY, temperature=0, max_tokens=2000,
+                                            stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    killed_at = None
+    with pytest.raises(openai.APIError) as failure:
+        for chunk in stream:
+            received += 1
+            if received == 5:
+                os.kill(old_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert killed_at is not None, "the stream ended before decode could be killed"
+    assert time.monotonic() - killed_at < 30
+    assert "decode" in str(failure.value)
+
+    assert server.wait_healthy(120), server.log()
+    assert server.stage_pids()["decode-0"] != old_pid
+    reply = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=30)
+    assert "Paris" in reply.choices[0].message.content
+    log = server.log()
+    assert "stage.died" in log and "killed by SIGKILL" in log
+
+
+def test_sigterm_stops_the_whole_tree_within_10_s(client, server):
+    pids = list(server.stage_pids().values())
+    assert len(pids) == 5 and all(_alive(pid) for pid in pids)
+    outcome = {}
+
+    def in_flight_request():
+        try:
+            reply = client.chat.completions.create(model="smollm2", messages=STORY, temperature=0, max_tokens=40)
+            outcome["finished"] = reply.choices[0].finish_reason
+        except openai.APIError as exc:
+            outcome["error"] = str(exc)
+
+    worker = threading.Thread(target=in_flight_request)
+    worker.start()
+    time.sleep(1.0)
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(15)
+    elapsed = time.monotonic() - started
+    worker.join(15)
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+    assert server.proc.returncode == 0
+    assert not [pid for pid in pids if _alive(pid)], "stage processes outlived the launcher"
+    assert not worker.is_alive() and outcome, "the in-flight request hung"
