@@ -43,9 +43,13 @@ def build_app(ingress) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         down = sorted(f"{stage}-{replica}" for stage, replica in ingress.down)
-        ok = ingress.accepting and not down
+        stages = ingress.stage_status
+        all_ready = len(stages) == len(ingress.topology.replicas()) and all(
+            s["state"] == "ready" for s in stages.values()
+        )
+        ok = ingress.accepting and not down and all_ready
         body = {"status": "ok" if ok else "degraded", "down": down, "in_flight": len(ingress.pending),
-                "stages": ingress.stage_status}
+                "stages": stages}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")

@@ -2,8 +2,7 @@
 transports, known model names.
 
 The other modules are imported lazily, inside the functions, so that loading a topology never pulls
-in torch or a transport's library, and so that a topology can still be checked while they are
-missing (then only the built-ins count: model ``smollm2``, transports ``tcp`` and ``inproc``).
+in torch or a transport's library.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ if TYPE_CHECKING:
     from pdflow.topology import Topology
 
 _BUILTIN_MODELS = frozenset({"smollm2"})
-_BUILTIN_TRANSPORTS = frozenset({"tcp", "inproc"})
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]"})
 _HOST_ALIASES = {"localhost": "127.0.0.1", "::1": "127.0.0.1", "[::1]": "127.0.0.1"}
 
@@ -30,14 +28,13 @@ def known_models() -> frozenset[str]:
 
 
 def transport_problem(name: str) -> str | None:
-    """None when transport ``name`` can be used here, else why not (with an install hint)."""
-    try:
-        from pdflow.transports import availability
-    except ImportError:
-        if name in _BUILTIN_TRANSPORTS:
-            return None
-        return f"unknown transport; the built-in ones are {', '.join(sorted(_BUILTIN_TRANSPORTS))}"
-    return availability(name)
+    """None when transport ``name`` can link two stage processes here, else why not."""
+    from pdflow.transports import availability, load
+
+    problem = availability(name)
+    if problem is None and not load(name).cross_process:
+        problem = "it connects peers inside one process only (for tests); stages run as separate processes"
+    return problem
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,8 @@ transport = "{transport}"
 class PdflowServer:
     """``with PdflowServer(tmp) as s:`` runs `pdflow run` until the block ends (SIGTERM)."""
 
-    def __init__(self, workdir: Path, transport: str = "tcp", extra: str = "", startup_timeout_s: float = 240):
+    def __init__(self, workdir: Path, transport: str = "tcp", extra: str = "", startup_timeout_s: float = 240,
+                 log_format: str = "console"):
         self.workdir = workdir
         base = _free_base()
         self.url = f"http://127.0.0.1:{base}"
@@ -85,11 +86,12 @@ class PdflowServer:
         self.topology.write_text(topology_text(base, transport, extra))
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s
+        self.log_format = log_format
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "PdflowServer":
         self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "pdflow.cli", "run", str(self.topology)]
+        cmd = [sys.executable, "-m", "pdflow.cli", "run", str(self.topology), "--log-format", self.log_format]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

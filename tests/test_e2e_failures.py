@@ -5,6 +5,7 @@ The tests share one `pdflow run`; the SIGTERM test stops it, so it comes last.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import openai
 import pytest
+
+from tests.pdflow_server import PdflowServer
 
 pytestmark = pytest.mark.e2e
 
@@ -26,6 +29,13 @@ def _alive(pid: int) -> bool:
         return "\nState:\tZ" not in status.read_text()
     except FileNotFoundError:
         return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    """This module's own `pdflow run`, logging JSON."""
+    with PdflowServer(tmp_path_factory.mktemp("pdflow-failures"), log_format="json") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +63,11 @@ def test_killing_decode_mid_stream_fails_the_request_then_decode_comes_back(clie
     assert server.stage_pids()["decode-0"] != old_pid
     reply = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=30)
     assert "Paris" in reply.choices[0].message.content
-    log = server.log()
-    assert "stage.died" in log and "killed by SIGKILL" in log
+    events = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+    died = [e for e in events if e["event"] == "stage.died"]
+    assert died and died[0]["stage"] == "decode-0" and died[0]["reason"] == "killed by SIGKILL"
+    prefilled = [e for e in events if e["event"] == "prefill.done"]
+    assert prefilled and all(e["request_id"].startswith("chatcmpl-") for e in prefilled)
 
 
 def test_sigterm_stops_the_whole_tree_within_10_s(client, server):

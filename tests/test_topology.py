@@ -63,7 +63,7 @@ def test_empty_file_gets_all_defaults() -> None:
 def test_replicas_addresses_and_links() -> None:
     t = parse(
         "[stages.decode]", "replicas = 3", 'host = "10.0.0.2"', "port = 6000", "data_port = 6100",
-        "[[links]]", 'src = "kv_shuttle"', 'dst = "decode"', 'transport = "inproc"', "options = { latency_ms = 2 }",
+        "[[links]]", 'src = "kv_shuttle"', 'dst = "decode"', 'transport = "tcp"', "options = { latency_ms = 2 }",
     )
     decode = t.stages["decode"]
     assert [decode.control_address(i) for i in range(3)] == [f"tcp://10.0.0.2:{6000 + i}" for i in range(3)]
@@ -212,21 +212,21 @@ def test_line_map() -> None:
     assert lines.key_at(5) == "stages.decode"
 
 
-def test_uses_transport_registry_and_model_list(monkeypatch: pytest.MonkeyPatch) -> None:
-    """When pdflow.transports and pdflow.models are importable, their answers are the ones used."""
-    transports = types.ModuleType("pdflow.transports")
-    def availability(name: str) -> str | None:
-        return None if name == "shm" else f"pip install pdflow[{name}]"
+def test_transports_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    link = ["[[links]]", 'src = "kv_shuttle"', 'dst = "decode"']
+    assert parse(*link, 'transport = "tcp"').link("kv_shuttle", "decode").transport == "tcp"
+    with pytest.raises(TopologyError, match="inside one process only") as inproc:
+        parse(*link, 'transport = "inproc"')
+    assert inproc.value.key == "links[0].transport" and inproc.value.line == 4
+    with pytest.raises(TopologyError, match=r"transport 'verbs' is not available: .*pyverbs"):
+        parse(*link, 'transport = "verbs"')
 
-    transports.availability = availability  # type: ignore[attr-defined]
+
+def test_uses_the_model_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When pdflow.models is importable, its answers are the ones used."""
     models = types.ModuleType("pdflow.models")
     models.KNOWN_MODELS = {"smollm2": object(), "qwen3": object()}  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pdflow.transports", transports)
     monkeypatch.setitem(sys.modules, "pdflow.models", models)
-    link = ["[[links]]", 'src = "kv_shuttle"', 'dst = "decode"']
-    t = parse("[model]", 'source = "qwen3"', *link, 'transport = "shm"')
-    assert (t.model.served_name, t.link("kv_shuttle", "decode").transport) == ("qwen3", "shm")
-    with pytest.raises(TopologyError, match=r"transport 'ucx' is not available: pip install pdflow\[ucx\]"):
-        parse(*link, 'transport = "ucx"')
+    assert parse("[model]", 'source = "qwen3"').model.served_name == "qwen3"
     with pytest.raises(TopologyError, match="expected one of qwen3, smollm2"):
         parse("[model]", 'source = "zzz"')
