@@ -24,14 +24,14 @@ _LINGER_MS = 500  # on close, give queued messages this long to leave
 
 
 def make_socket(
-    ctx: zmq.asyncio.Context,
+    ctx: zmq.Context,
     kind: int,
     *,
     bind: str | None = None,
     connect: str | None = None,
     hwm: int = _HWM,
     linger_ms: int = _LINGER_MS,
-) -> zmq.asyncio.Socket:
+) -> zmq.Socket:
     """The one place sockets are made: high-water marks and linger set on purpose."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, hwm)

@@ -92,13 +92,12 @@ def _report_failure(topology, launch: StageLaunch, error: str) -> None:
     """Tell the launcher why we die (best effort: the launcher also sees the exit code)."""
     import zmq
 
+    from pdflow.bus import make_socket
     from pdflow.messages import StageFailed, encoder
 
     ctx = zmq.Context()
     try:
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(topology.control.pull_address)
+        sock = make_socket(ctx, zmq.PUSH, connect=topology.control.pull_address, linger_ms=1000)
         sock.send(encoder().encode(StageFailed(launch.stage, launch.replica, error)))
         sock.close()
     finally:
