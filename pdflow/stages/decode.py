@@ -87,14 +87,13 @@ class DecodeStage(Stage):
     async def on_request(self, message: DecodeRequest) -> None:
         layout = self.model.layout
         nbytes = layout.request_bytes(message.prompt_len)
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
         region = self._next_region
         self._next_region += 1
-        self.from_shuttle.register(region, transports.byte_view(buffer, writable=True))
+        buffer = torch.frombuffer(self.from_shuttle.allocate(region, nbytes), dtype=torch.uint8)
         entry = _Incoming(message, buffer, region, 2 * layout.num_layers, [0.0] * layout.num_layers)
         self.incoming[message.request_id] = entry
         self.by_region[region] = entry
-        destination = KvDestination(message.request_id, self.from_shuttle.address, region, nbytes)
+        destination = KvDestination(message.request_id, self.from_shuttle.address_for(region), region, nbytes)
         await self.bus.send("kv_shuttle", message.route.shuttle, destination)
         early = self.early_done.pop(message.request_id, None)
         if early is not None:

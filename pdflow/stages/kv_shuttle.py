@@ -72,15 +72,14 @@ class KvShuttleStage(Stage):
         if self.pool_used + nbytes > POOL_BYTES:
             await self._fail(message, f"KV pool full ({self.pool_used} of {POOL_BYTES} bytes in use)")
             return
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
         region = self._next_region
         self._next_region += 1
-        self.from_prefill.register(region, transports.byte_view(buffer, writable=True))
+        buffer = torch.frombuffer(self.from_prefill.allocate(region, nbytes), dtype=torch.uint8)
         entry = _Entry(message, buffer, region)
         self.entries[message.request_id] = entry
         self.by_region[region] = entry
         self.pool_used += nbytes
-        destination = KvDestination(message.request_id, self.from_prefill.address, region, nbytes)
+        destination = KvDestination(message.request_id, self.from_prefill.address_for(region), region, nbytes)
         await self.bus.send("prefill", message.route.prefill, destination)
 
     def _decode_destination(self, request_id: str) -> asyncio.Future[KvDestination]:

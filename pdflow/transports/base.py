@@ -152,8 +152,27 @@ class Transport(ABC):
             raise ValueError(f"region {region} is already registered")
         self._regions[region] = view
 
+    def allocate(self, region: int, nbytes: int) -> memoryview:
+        """Allocate ``nbytes`` of memory this transport can receive into, register it as
+        ``region`` and return a writable view of it (valid until :meth:`unregister`).
+
+        This is how stages get receive buffers: a transport whose peers write into shared or
+        pinned memory (shm, RDMA) allocates it there, so KV lands where the stage reads it.
+        The default is plain process memory.
+        """
+        buffer = memoryview(bytearray(nbytes))
+        self.register(region, buffer)
+        return buffer
+
+    def address_for(self, region: int) -> str:
+        """The address a sender passes to :meth:`write` for ``region`` (what NIXL calls the
+        remote metadata). Most transports need only :attr:`address`; one whose senders map the
+        receiver's memory directly may add where the region lives."""
+        return self.address
+
     def unregister(self, region: int) -> None:
-        """Forget a region (idempotent); chunks for it later get an UnknownRegion notice.
+        """Forget a region (idempotent) and release its memory if :meth:`allocate` made it;
+        chunks for it later get an UnknownRegion notice.
 
         A chunk already landing may still write into the old buffer; its notice then carries
         UnknownRegion. Keep the buffer until such notices are in if that matters.
