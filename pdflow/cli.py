@@ -1,4 +1,4 @@
-"""``pdflow``: run a topology, validate one, manage models."""
+"""``pdflow``: run a topology, validate one, manage models, run benchmarks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ _EPILOG = """examples:
   pdflow run topology.toml            serve the model behind an OpenAI-compatible API
   pdflow validate topology.toml       check a topology file without starting anything
   pdflow models pull smollm2          fetch and convert the default model once
+  pdflow bench transfer               measure the KV transports against memcpy and a plain socket
 """
 
 
@@ -50,7 +51,28 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true", help="convert again even if already cached")
     pull.add_argument("--quiet", action="store_true", help="no progress bars")
     models_sub.add_parser("list", help="list known models and whether each is in the cache")
+    _bench_parser(sub)
     return parser
+
+
+def _bench_parser(sub) -> None:
+    from pdflow.bench import transfer
+
+    bench = sub.add_parser("bench", help="measure pdflow beside baselines from the same run",
+                           description="Benchmarks that print their baselines beside them, as ratios "
+                           "from the same run, and the command that repeats them.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="ACTION")
+    transfer.add_arguments(bench_sub.add_parser(
+        "transfer", help="KV chunks through each transport between two processes, beside memcpy "
+        "and a plain socket", description=transfer.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ))
+
+
+def _bench(args) -> int:
+    from pdflow.bench import transfer
+
+    return transfer.main(args)
 
 
 def _load(path: str):
@@ -72,7 +94,11 @@ def _validate(args) -> int:
         cores = ",".join(map(str, stage.cores)) or "any"
         sys.stdout.write(f"  {stage.display_name:<11} x{stage.replicas} on {stage.host} ({ports}), "
                          f"cores {cores}, {stage.device}\n")
-    for link in topology.links:
+    engine = topology.engine
+    sys.stdout.write(f"  engine: {engine.mode}, kv_streaming {engine.kv_streaming}"
+                     + (f", chunked prefill {engine.chunked_prefill_tokens} tokens" if engine.chunked_prefill_tokens else "")
+                     + "\n")
+    for link in () if topology.colocated else topology.links:
         sys.stdout.write(f"  link {link.src} -> {link.dst}: {link.transport}\n")
     return 0
 
@@ -102,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     if args.command == "validate":
         return _validate(args)
+    if args.command == "bench":
+        return _bench(args)
     from pdflow import models
     from pdflow.log import configure_logging
 

@@ -21,14 +21,20 @@ from pdflow.toml_reader import TableReader, TopologyError, describe, syntax_erro
 from pdflow.topology_checks import check_ports, known_models, transport_problem
 
 __all__ = [
-    "STAGE_NAMES", "DTYPES", "ModelConfig", "ServerConfig", "ControlConfig", "Limits", "StageConfig",
-    "LinkConfig", "Topology", "TopologyError", "load_topology", "parse_topology",
+    "STAGE_NAMES", "DTYPES", "ModelConfig", "ServerConfig", "ControlConfig", "Limits", "EngineConfig",
+    "StageConfig", "LinkConfig", "Topology", "TopologyError", "load_topology", "parse_topology",
 ]
 
-STAGE_NAMES = ("ingress", "prefill", "kv_shuttle", "decode", "egress")
+STAGE_NAMES = ("ingress", "prefill", "kv_shuttle", "decode", "egress")  # mode "disaggregated"
+COLOCATED_STAGE_NAMES = ("ingress", "worker", "egress")  # mode "colocated"
+ALL_STAGE_NAMES = ("ingress", "prefill", "kv_shuttle", "decode", "worker", "egress")
+MODES = {"disaggregated": STAGE_NAMES, "colocated": COLOCATED_STAGE_NAMES}
+KV_STREAMING = ("layer", "request")
 DTYPES = ("float32", "bfloat16", "float16")
 LINK_PAIRS = (("prefill", "kv_shuttle"), ("kv_shuttle", "decode"))
-DEFAULT_PORTS = {"ingress": 5510, "prefill": 5520, "kv_shuttle": 5530, "decode": 5540, "egress": 5550}
+DEFAULT_PORTS = {
+    "ingress": 5510, "prefill": 5520, "kv_shuttle": 5530, "decode": 5540, "egress": 5550, "worker": 5560,
+}
 DEFAULT_DATA_PORTS = {"kv_shuttle": 5630, "decode": 5640}  # only the stages that receive KV
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -77,6 +83,23 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How prefill and decode are arranged.
+
+    ``mode``: "disaggregated" (prefill, kv-shuttle and decode processes) or "colocated" (one
+    worker process does both: the baseline disaggregation is compared with).
+    ``kv_streaming``: "layer" sends each layer's KV the moment it is computed; "request" sends
+    it all after the prefill (the naive design, for comparison).
+    ``chunked_prefill_tokens``: colocated only; 0 prefills whole prompts, N interleaves prefill
+    chunks of N tokens with decode steps.
+    """
+
+    mode: str = "disaggregated"
+    kv_streaming: str = "layer"
+    chunked_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StageConfig:
     """One stage; replica ``i`` listens on ``port + i`` (and receives KV on ``data_port + i``)."""
 
@@ -116,8 +139,18 @@ class Topology:
     server: ServerConfig
     control: ControlConfig
     limits: Limits
-    stages: dict[str, StageConfig]  # all five, in STAGE_NAMES order
-    links: tuple[LinkConfig, ...]  # both, in LINK_PAIRS order
+    stages: dict[str, StageConfig]  # the mode's stages, in MODES[mode] order
+    links: tuple[LinkConfig, ...]  # both, in LINK_PAIRS order (unused when colocated)
+    engine: EngineConfig = EngineConfig()
+
+    @property
+    def colocated(self) -> bool:
+        return self.engine.mode == "colocated"
+
+    @property
+    def decoder(self) -> str:
+        """The stage that produces tokens after the first: decode, or the colocated worker."""
+        return "worker" if self.colocated else "decode"
 
     def link(self, src: str, dst: str) -> LinkConfig:
         for link in self.links:
@@ -148,16 +181,21 @@ def parse_topology(text: str, path: Path) -> Topology:
     except tomllib.TOMLDecodeError as e:
         raise syntax_error(path, lines, e, text) from None
     r = TableReader(path, lines)
-    r.check_keys(raw, "", ("model", "server", "control", "limits", "stages", "links"))
+    r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "stages", "links"))
+    engine = _engine(r, r.table(raw, "", "engine", ("mode", "kv_streaming", "chunked_prefill_tokens")))
     topology = Topology(
         path=path.absolute(),
         model=_model(r, r.table(raw, "", "model", ("source", "dtype", "served_name")), path),
         server=ServerConfig(**_endpoint(r, raw, "server", ServerConfig())),
         control=ControlConfig(**_endpoint(r, raw, "control", ControlConfig(), max_port=65534)),
         limits=_limits(r, r.table(raw, "", "limits", [f.name for f in fields(Limits)])),
-        stages=_stages(r, r.table(raw, "", "stages", STAGE_NAMES)),
+        stages=_stages(r, r.table(raw, "", "stages", ALL_STAGE_NAMES), engine.mode),
         links=_links(r, raw.get("links", [])),
+        engine=engine,
     )
+    if topology.colocated and raw.get("links"):
+        raise r.error("links", "a colocated topology has no data-plane links (its worker keeps the KV); "
+                      "remove the [[links]] tables or set engine.mode = \"disaggregated\"")
     check_ports(r, topology)
     return topology
 
@@ -215,9 +253,24 @@ def _heartbeat_timeout(r: TableReader, t: dict[str, Any], interval: float) -> fl
     return timeout
 
 
-def _stages(r: TableReader, stages: dict[str, Any]) -> dict[str, StageConfig]:
+def _engine(r: TableReader, t: dict[str, Any]) -> EngineConfig:
+    mode = r.string(t, "engine", "mode", "disaggregated", choices=tuple(MODES))
+    streaming = r.string(t, "engine", "kv_streaming", "layer", choices=KV_STREAMING)
+    chunk = r.integer(t, "engine", "chunked_prefill_tokens", 0, ge=0)
+    if chunk and mode != "colocated":
+        raise r.error("engine.chunked_prefill_tokens",
+                      "chunked prefill is a colocated-worker setting; set engine.mode = \"colocated\" or 0")
+    return EngineConfig(mode, streaming, chunk)
+
+
+def _stages(r: TableReader, stages: dict[str, Any], mode: str) -> dict[str, StageConfig]:
     keys = ("replicas", "host", "port", "data_port", "cores", "device")
-    return {name: _stage(r, name, r.table(stages, "stages", name, keys)) for name in STAGE_NAMES}
+    wanted = MODES[mode]
+    for name in stages:
+        if name not in wanted:
+            raise r.error(f"stages.{name}", f"a {mode} topology has no {name} stage; its stages are "
+                          f"{', '.join(wanted)} (engine.mode picks the set)")
+    return {name: _stage(r, name, r.table(stages, "stages", name, keys)) for name in wanted}
 
 
 def _stage(r: TableReader, name: str, t: dict[str, Any]) -> StageConfig:

@@ -29,7 +29,10 @@ def _free_base() -> int:
     raise RuntimeError("no free port range found")
 
 
-def topology_text(base: int, transport: str = "tcp", extra: str = "") -> str:
+def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str = "disaggregated",
+                  chunked_prefill_tokens: int = 0) -> str:
+    if mode == "colocated":
+        return _colocated_text(base, extra, chunked_prefill_tokens)
     return f"""
 [model]
 source = "smollm2"
@@ -74,16 +77,48 @@ transport = "{transport}"
 """
 
 
+def _colocated_text(base: int, extra: str, chunked_prefill_tokens: int) -> str:
+    return f"""
+[model]
+source = "smollm2"
+
+[server]
+port = {base}
+
+[control]
+port = {base + 1}
+
+[limits]
+max_batch = 32
+ready_timeout_s = 240
+heartbeat_timeout_s = 10
+request_timeout_s = 120
+
+[engine]
+mode = "colocated"
+chunked_prefill_tokens = {chunked_prefill_tokens}
+
+[stages.ingress]
+port = {base + 3}
+[stages.worker]
+port = {base + 4}
+cores = [0, 1]
+[stages.egress]
+port = {base + 7}
+{extra}
+"""
+
+
 class PdflowServer:
     """``with PdflowServer(tmp) as s:`` runs `pdflow run` until the block ends (SIGTERM)."""
 
     def __init__(self, workdir: Path, transport: str = "tcp", extra: str = "", startup_timeout_s: float = 240,
-                 log_format: str = "console"):
+                 log_format: str = "console", mode: str = "disaggregated", chunked_prefill_tokens: int = 0):
         self.workdir = workdir
         base = _free_base()
         self.url = f"http://127.0.0.1:{base}"
         self.topology = workdir / "topology.toml"
-        self.topology.write_text(topology_text(base, transport, extra))
+        self.topology.write_text(topology_text(base, transport, extra, mode, chunked_prefill_tokens))
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s
         self.log_format = log_format

@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 import openai
 import pytest
 
+from pdflow.timeline import chrome_trace, kv_summary
+from tests.pdflow_server import PdflowServer
+
 pytestmark = pytest.mark.e2e
+
+# The same tests against both designs: disaggregated (tcp data plane) and the colocated worker
+# with chunked prefill.
+DEPLOYMENTS = {"disaggregated": {}, "colocated": {"mode": "colocated", "chunked_prefill_tokens": 64}}
+
+
+@pytest.fixture(scope="module", params=list(DEPLOYMENTS))
+def server(request, tmp_path_factory, model_dir):
+    with PdflowServer(tmp_path_factory.mktemp(request.param), **DEPLOYMENTS[request.param]) as running:
+        running.mode = request.param
+        yield running
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 QUESTIONS = [
@@ -83,7 +98,10 @@ def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["smollm2"]
     health = server.health()
     assert health["status"] == "ok"
-    assert set(health["stages"]) == {"ingress-0", "prefill-0", "kv-shuttle-0", "decode-0", "egress-0"}
+    expected = {"ingress-0", "prefill-0", "kv-shuttle-0", "decode-0", "egress-0"}
+    if server.mode == "colocated":
+        expected = {"ingress-0", "worker-0", "egress-0"}
+    assert set(health["stages"]) == expected
 
 
 async def _stream_text(aclient, question: str) -> str:
@@ -108,6 +126,8 @@ def test_32_concurrent_streams_each_equal_its_single_request_output(aclient):
 
 
 def test_decode_receives_layer_0_before_prefill_finishes_its_last_layer(client, server):
+    if server.mode == "colocated":
+        pytest.skip("colocated: the KV never leaves the worker")
     long_prompt = "Summarize the following notes. " + " ".join(
         f"Note {i}: the shipment of part {i * 7} arrived on day {i % 30} in good order." for i in range(90)
     )
@@ -120,6 +140,12 @@ def test_decode_receives_layer_0_before_prefill_finishes_its_last_layer(client, 
     # (through kv-shuttle) while prefill was still computing later layers
     assert timeline["decode.layer_in"][0] < timeline["prefill.layer_done"][-1]
     assert all(t > 0 for t in timeline["decode.layer_in"])
+
+    trace = json.loads(json.dumps(chrome_trace(timeline, reply.id)))
+    for lane in ("compute", "send (data plane)", "receive (via kv-shuttle)"):
+        layers = sorted(e["args"]["layer"] for e in trace["traceEvents"] if e["tid"] == lane)
+        assert layers == list(range(30)), lane
+    assert kv_summary(timeline)["kv_tail_s"] < kv_summary(timeline)["whole_transfer_s"] + 1e-9
 
 
 def test_client_disconnect_cancels_everywhere(server):

@@ -125,3 +125,22 @@ def test_prefill_hands_out_every_layer_in_order_with_the_models_own_kv(engine):
         expected_v = cache.layers[layer].values[0]
         torch.testing.assert_close(keys, expected_k, rtol=0, atol=1e-5)
         torch.testing.assert_close(values.transpose(0, 1), expected_v, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_chunked_prefill_then_decode_equals_generate(engine, reference, chunk):
+    from pdflow.engine.chunked import ChunkedPrefill
+
+    loaded, prompts = engine
+    ids, expected = prompts[3], reference[3]
+    prefill_run = ChunkedPrefill(loaded, ids, _greedy())
+    first = None
+    while first is None:
+        first = prefill_run.run(chunk)
+    batch = DecodeBatch(loaded, max_batch=2)
+    seq = Sequence("0", len(ids), first, prefill_run.sampler)
+    batch.add(seq, prefill_run.layer_kv)
+    tokens = [first]
+    while len(tokens) < len(expected):
+        tokens.append(batch.step()[0][1])
+    assert tokens == expected

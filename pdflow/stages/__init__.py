@@ -10,6 +10,7 @@ BUILTIN: dict[str, str] = {
     "kv_shuttle": "pdflow.stages.kv_shuttle:KvShuttleStage",
     "decode": "pdflow.stages.decode:DecodeStage",
     "egress": "pdflow.stages.egress:EgressStage",
+    "worker": "pdflow.stages.worker:WorkerStage",
 }
 
 

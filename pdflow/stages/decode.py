@@ -166,7 +166,7 @@ class DecodeStage(Stage):
             seq = Sequence(entry.request.request_id, n, entry.done.first_token, Sampler(entry.request.sampling))
             self.batch.add(seq, lambda layer: layout.views(buffer, n, layer))
             entry.buffer = buffer = None  # the batch holds the KV now: free the receive buffer
-            seq.extra = {"entry": entry, "joined": time.monotonic()}
+            seq.extra = {"entry": entry, "joined": time.monotonic(), "steps": []}
             admitted.append(seq)
         return admitted
 
@@ -193,9 +193,11 @@ class DecodeStage(Stage):
 
     async def _emit(self, results: list[tuple[Sequence, int]]) -> None:
         model = self.model
+        now = time.monotonic()
         for seq, token in results:
             if seq.request_id not in self.running or seq.request_id in self.to_remove:
                 continue
+            seq.extra["steps"].append(now)
             params = seq.sampler.params
             reason = finish_reason(token, seq.generated, seq.length + 1, params, model.eos_token_ids, model.max_context)
             entry: _Incoming = seq.extra["entry"]
@@ -205,6 +207,7 @@ class DecodeStage(Stage):
                 timeline = dict(entry.done.timeline)
                 timeline["decode.layer_in"] = entry.layer_in
                 timeline["decode.joined"] = [seq.extra["joined"]]
-                timeline["decode.end"] = [time.monotonic()]
+                timeline["decode.steps"] = seq.extra["steps"]
+                timeline["decode.end"] = [now]
             message = Tokens(seq.request_id, seq.generated - 1, [token], reason, timeline)
             await self.bus.send("egress", entry.request.route.egress, message)

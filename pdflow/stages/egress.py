@@ -85,7 +85,7 @@ class EgressStage(Stage):
         if stopped:
             reason = "stop"
             if tokens.finish_reason is None:  # decode is still going: tell it to stop
-                await self.bus.send("decode", request.route.decode, StopRequest(request.request_id))
+                await self.bus.send(self.topology.decoder, request.route.decode, StopRequest(request.request_id))
         elif reason is not None:
             text += stream.matcher.feed(stream.detokenizer.flush())[0] + stream.matcher.flush()
         if reason is None and not text:

@@ -35,7 +35,7 @@ from pdflow.openai_protocol import ApiError
 from pdflow.stage import Stage
 
 _TIMELINES_KEPT = 1000
-_ROUTED = ("prefill", "kv_shuttle", "decode", "egress")
+_ROUTED = {"disaggregated": ("prefill", "kv_shuttle", "decode", "egress"), "colocated": ("worker", "egress")}
 
 
 @dataclass(slots=True, eq=False)
@@ -51,6 +51,7 @@ class PendingRequest:
             "prefill": self.route.prefill,
             "kv_shuttle": self.route.shuttle,
             "decode": self.route.decode,
+            "worker": self.route.decode,  # colocated: the worker prefills and decodes
             "egress": self.route.egress,
         }[stage]
 
@@ -77,7 +78,8 @@ class IngressStage(Stage):
         self.down: set[tuple[str, int]] = set()
         self.stage_status: dict[str, dict] = {}  # "decode-0" -> the launcher's latest StageStatus
         self.accepting = True
-        self._next = {stage: 0 for stage in _ROUTED}
+        self.routed = _ROUTED[self.topology.engine.mode]
+        self._next = {stage: 0 for stage in self.routed}
         server = self.topology.server
         config = uvicorn.Config(
             build_app(self), host=server.host, port=server.port, loop="none", lifespan="off",
@@ -125,16 +127,25 @@ class IngressStage(Stage):
                 f"too many requests in flight (max_queued_requests={self.limits.max_queued_requests}); retry later",
                 status=429, type="rate_limit_error",
             )
-        route = Route(self.replica, *(self._pick(stage) for stage in _ROUTED))
+        picked = {stage: self._pick(stage) for stage in self.routed}
+        if self.topology.colocated:
+            worker = picked["worker"]
+            route = Route(self.replica, worker, 0, worker, picked["egress"])
+        else:
+            route = Route(self.replica, picked["prefill"], picked["kv_shuttle"], picked["decode"], picked["egress"])
         pending = PendingRequest(request_id, route, len(prompt_ids))
         self.pending[request_id] = pending
         n = len(prompt_ids)
         bus = self.bus
         # in the order each is needed (the stages also cope with any other order)
         await bus.send("egress", route.egress, EgressRequest(request_id, n, params.max_tokens, stop, skip_special_tokens, route))
+        prefill_request = PrefillRequest(request_id, prompt_ids, params, route)
+        if self.topology.colocated:
+            await bus.send("worker", route.prefill, prefill_request)
+            return pending
         await bus.send("kv_shuttle", route.shuttle, KvExpected(request_id, n, route))
         await bus.send("decode", route.decode, DecodeRequest(request_id, n, params, route))
-        await bus.send("prefill", route.prefill, PrefillRequest(request_id, prompt_ids, params, route))
+        await bus.send("prefill", route.prefill, prefill_request)
         return pending
 
     def finish(self, pending: PendingRequest, timeline: dict | None = None) -> None:
@@ -149,14 +160,14 @@ class IngressStage(Stage):
         self.pending.pop(pending.request_id, None)
         self.log.info("request.cancelled", request_id=pending.request_id, reason=reason)
         message = Cancel(pending.request_id, reason)
-        for stage in _ROUTED:
+        for stage in self.routed:
             self.spawn(self.bus.send(stage, pending.replica_of(stage), message))
 
     # --- stages going down and up ------------------------------------------------------------
 
     def on_stage_down(self, message: StageDown) -> None:
         self.down.add((message.stage, message.replica))
-        if message.stage not in _ROUTED:
+        if message.stage not in self.routed:
             return
         for pending in list(self.pending.values()):
             if pending.replica_of(message.stage) == message.replica:

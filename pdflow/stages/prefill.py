@@ -39,6 +39,7 @@ class PrefillStage(Stage):
         self.queue: asyncio.Queue[PrefillRequest] = asyncio.Queue()
         self.destinations: dict[str, asyncio.Future[KvDestination]] = {}
         self.held: set[str] = set()  # queued or running
+        self.send_start: dict[str, float] = {}  # when each request's first KV write began
         self.cancelled: set[str] = set()
         self.running: str | None = None
         self.spawn(self._worker(), essential=True)
@@ -89,6 +90,7 @@ class PrefillStage(Stage):
                 self.running = None
                 self.held.discard(request.request_id)
                 self.cancelled.discard(request.request_id)
+                self.send_start.pop(request.request_id, None)
                 self.destinations.pop(request.request_id, None)
 
     async def _fail(self, request: PrefillRequest, message: str) -> None:
@@ -101,13 +103,15 @@ class PrefillStage(Stage):
         def sink(layer, keys, values) -> None:  # on the forward thread
             loop.call_soon_threadsafe(layers.put_nowait, (layer, keys, values))
 
-        sender = asyncio.ensure_future(self._send_layers(request, layers))
+        computed = asyncio.Event()
+        sender = asyncio.ensure_future(self._send_layers(request, layers, computed))
         sampler = Sampler(request.sampling)
         try:
             result = await loop.run_in_executor(self.executor, prefill, self.model, request.prompt_ids, sampler, sink)
         except BaseException:
             sender.cancel()
             raise
+        computed.set()
         token = result.first_token
         n = len(request.prompt_ids)
         reason = finish_reason(token, 1, n + 1, request.sampling, self.model.eos_token_ids, self.model.max_context)
@@ -119,19 +123,26 @@ class PrefillStage(Stage):
             return  # cancelled, or failed and reported
         timeline = {
             "prefill.start": [result.started],
+            "prefill.send_start": [self.send_start.pop(request.request_id, result.started)],
             "prefill.layer_done": result.layer_done,
             "prefill.layer_sent": sent,
             "prefill.end": [result.finished],
         }
         await self.bus.send("decode", route.decode, PrefillDone(request.request_id, token, reason is not None, timeline))
 
-    async def _send_layers(self, request: PrefillRequest, layers: asyncio.Queue) -> list[float] | None:
-        """Write each layer's keys and values into the shuttle's region as they come."""
+    async def _send_layers(
+        self, request: PrefillRequest, layers: asyncio.Queue, computed: asyncio.Event
+    ) -> list[float] | None:
+        """Write each layer's keys and values into the shuttle's region as they come (with
+        ``kv_streaming = "request"``: only once the whole prefill is computed)."""
         rid, n = request.request_id, len(request.prompt_ids)
         layout = self.model.layout
         sent: list[float] = []
         try:
             destination = await asyncio.wait_for(self._destination(rid), self.limits.request_timeout_s)
+            if self.topology.engine.kv_streaming == "request":
+                await computed.wait()
+            self.send_start[rid] = time.monotonic()
             for _ in range(layout.num_layers):
                 layer, keys, values = await layers.get()
                 if rid in self.cancelled:

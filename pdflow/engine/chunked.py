@@ -1,0 +1,63 @@
+"""Prefill a prompt in chunks that keep their KV, for the colocated worker.
+
+The worker interleaves prefill chunks with decode steps (chunked prefill, the strongest
+colocated design), so a prompt's KV must persist between chunks in this process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdflow.engine.forward import logits_of_last_token
+from pdflow.engine.loader import LoadedModel
+from pdflow.engine.sampler import Sampler
+from pdflow.kv_layout import torch_dtype
+
+
+class AccumulatingCache:
+    """Every layer's keys and values so far, ``(1, kv_heads, tokens, head_dim)``."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_):
+        if self.keys[layer_idx] is not None:
+            key_states = torch.cat([self.keys[layer_idx], key_states], dim=2)
+            value_states = torch.cat([self.values[layer_idx], value_states], dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+
+class ChunkedPrefill:
+    """One prompt's prefill, advanced by :meth:`run` a budget of tokens at a time."""
+
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler):
+        self.loaded, self.prompt_ids, self.sampler = loaded, prompt_ids, sampler
+        self.position = 0
+        self.cache = AccumulatingCache(loaded.num_layers)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt_ids) - self.position
+
+    def run(self, budget: int) -> int | None:
+        """Prefill up to ``budget`` more prompt tokens (blocking); once the prompt is done, the
+        first output token, else None."""
+        start, end = self.position, min(len(self.prompt_ids), self.position + budget)
+        device = self.loaded.device
+        input_ids = torch.tensor([self.prompt_ids[start:end]], device=device)
+        positions = torch.arange(start, end, device=device).unsqueeze(0)
+        mask = None  # the first chunk: plain causal attention
+        if start:
+            visible = torch.arange(end, device=device)[None, :] <= positions[0][:, None]
+            mask = torch.zeros(visible.shape, dtype=torch_dtype(self.loaded.layout.dtype), device=device)
+            mask.masked_fill_(~visible, torch.finfo(mask.dtype).min)
+            mask = mask[None, None]
+        logits = logits_of_last_token(self.loaded.model, input_ids, positions, mask, self.cache)
+        self.position = end
+        return self.sampler.sample(logits[0]) if end == len(self.prompt_ids) else None
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The finished prompt's keys and values of ``layer``, each ``(kv_heads, tokens, head_dim)``."""
+        return self.cache.keys[layer][0], self.cache.values[layer][0]

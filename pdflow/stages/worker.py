@@ -1,0 +1,142 @@
+"""worker: the colocated baseline. One process prefills and decodes, with continuous batching.
+
+Each iteration does prefill work, then one decode step for the running batch:
+
+- ``chunked_prefill_tokens = 0``: every waiting prompt is prefilled whole before the next step
+  (prefill first, as engines without chunked prefill schedule it), so a long prompt stalls
+  every running request for its whole prefill;
+- ``chunked_prefill_tokens = N``: at most N prompt tokens of prefill per iteration, so a step
+  waits for one chunk at most (chunks run as their own forward pass, then the decode step).
+
+Disaggregation is measured against this by changing only the topology file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
+from pdflow.engine.chunked import ChunkedPrefill
+from pdflow.engine.stopping import finish_reason
+from pdflow.messages import Cancel, PrefillRequest, StopRequest, Tokens
+from pdflow.stage import Stage
+
+
+class WorkerStage(Stage):
+    name = "worker"
+
+    async def setup(self) -> None:
+        topo, cfg = self.topology, self.ctx.config
+        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device)
+        self.batch = DecodeBatch(self.model, self.limits.max_batch)
+        self.chunk = topo.engine.chunked_prefill_tokens
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
+        self.waiting: deque[tuple[PrefillRequest, float]] = deque()
+        self.prefilling: tuple[PrefillRequest, ChunkedPrefill, dict] | None = None
+        self.running: dict[str, Sequence] = {}
+        self.gone: set[str] = set()  # cancelled or stopped, not yet out of the batch
+        self.wake = asyncio.Event()
+        self.spawn(self._loop(), essential=True)
+
+    async def teardown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def handlers(self):
+        return {PrefillRequest: self.on_request, Cancel: self.on_gone, StopRequest: self.on_gone}
+
+    def in_flight(self) -> int:
+        return len(self.waiting) + (self.prefilling is not None) + len(self.running)
+
+    def on_request(self, message: PrefillRequest) -> None:
+        self.waiting.append((message, time.monotonic()))
+        self.wake.set()
+
+    def on_gone(self, message: Cancel | StopRequest) -> None:
+        self.gone.add(message.request_id)
+        self.wake.set()
+
+    # --- on the step thread -------------------------------------------------------------------
+
+    def _prefill_work(self) -> list[tuple[PrefillRequest, int, ChunkedPrefill, dict]]:
+        """Prefill what this iteration allows; returns the prompts that finished with their first token."""
+        done = []
+        budget = self.chunk or None  # None: no limit (whole prompts)
+        while (budget is None or budget > 0) and len(self.batch) + len(done) < self.batch.max_batch:
+            if self.prefilling is None:
+                if not self.waiting:
+                    break
+                request, queued = self.waiting.popleft()
+                if request.request_id in self.gone:
+                    self.gone.discard(request.request_id)
+                    continue
+                run = ChunkedPrefill(self.model, request.prompt_ids, Sampler(request.sampling))
+                self.prefilling = (request, run, {"worker.queued": [queued], "prefill.start": [time.monotonic()]})
+            request, run, timeline = self.prefilling
+            before = run.remaining
+            token = run.run(budget or run.remaining)
+            if budget is not None:
+                budget -= before - run.remaining
+            if token is not None:
+                timeline["prefill.end"] = [time.monotonic()]
+                done.append((request, token, run, timeline))
+                self.prefilling = None
+        return done
+
+    def _iterate(self, remove: list[Sequence]):
+        for seq in remove:
+            self.batch.remove(seq)
+        finished_prefills = self._prefill_work()
+        joined = []
+        for request, token, run, timeline in finished_prefills:
+            n = len(request.prompt_ids)
+            reason = finish_reason(token, 1, n + 1, request.sampling, self.model.eos_token_ids,
+                                   self.model.max_context)
+            if reason is None and request.request_id not in self.gone:
+                seq = Sequence(request.request_id, n, token, run.sampler)
+                seq.extra = {"request": request, "timeline": timeline, "steps": []}
+                self.batch.add(seq, run.layer_kv)
+                joined.append(seq)
+            timeline["finish"] = reason
+        return finished_prefills, joined, self.batch.step()
+
+    # --- on the event loop ----------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self.waiting or self.prefilling or self.running):
+                self.wake.clear()
+                await self.wake.wait()
+            remove = [self.running.pop(rid) for rid in list(self.gone) if rid in self.running]
+            self.gone.difference_update(seq.request_id for seq in remove)
+            prefilled, joined, results = await loop.run_in_executor(self.executor, self._iterate, remove)
+            for request, token, _, timeline in prefilled:
+                reason = timeline.pop("finish")
+                if request.request_id in self.gone:
+                    if request.request_id not in self.running:
+                        self.gone.discard(request.request_id)
+                    continue
+                await self.bus.send("egress", request.route.egress, Tokens(request.request_id, 0, [token], reason))
+            for seq in joined:
+                self.running[seq.request_id] = seq
+            await self._emit(results)
+
+    async def _emit(self, results: list[tuple[Sequence, int]]) -> None:
+        model = self.model
+        now = time.monotonic()
+        for seq, token in results:
+            if seq.request_id not in self.running or seq.request_id in self.gone:
+                continue
+            seq.extra["steps"].append(now)
+            request: PrefillRequest = seq.extra["request"]
+            reason = finish_reason(token, seq.generated, seq.length + 1, seq.sampler.params,
+                                   model.eos_token_ids, model.max_context)
+            timeline = {}
+            if reason is not None:
+                self.gone.add(seq.request_id)
+                timeline = {**seq.extra["timeline"], "decode.steps": seq.extra["steps"], "decode.end": [now]}
+            message = Tokens(seq.request_id, seq.generated - 1, [token], reason, timeline)
+            await self.bus.send("egress", request.route.egress, message)
