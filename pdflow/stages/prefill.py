@@ -116,17 +116,19 @@ class PrefillStage(Stage):
         n = len(request.prompt_ids)
         reason = finish_reason(token, 1, n + 1, request.sampling, self.model.eos_token_ids, self.model.max_context)
         route = request.route
-        await self.bus.send("egress", route.egress, Tokens(request.request_id, 0, [token], reason))
+        compute = {"prefill.start": [result.started], "prefill.layer_done": result.layer_done,
+                   "prefill.end": [result.finished]}
+        # a request that ends here gets its (prefill-only) timeline with its only token
+        first = Tokens(request.request_id, 0, [token], reason, compute if reason is not None else {})
+        await self.bus.send("egress", route.egress, first)
         self.log.info("prefill.done", request_id=request.request_id, tokens=n, seconds=round(result.finished - result.started, 4))
         sent = await sender
         if sent is None:
             return  # cancelled, or failed and reported
         timeline = {
-            "prefill.start": [result.started],
+            **compute,
             "prefill.send_start": [self.send_start.pop(request.request_id, result.started)],
-            "prefill.layer_done": result.layer_done,
             "prefill.layer_sent": sent,
-            "prefill.end": [result.finished],
         }
         await self.bus.send("decode", route.decode, PrefillDone(request.request_id, token, reason is not None, timeline))
 

@@ -1,0 +1,116 @@
+"""PNG plots of benchmark runs (matplotlib, Agg): latency CDFs, TBT over time, goodput vs rate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdflow.bench.metrics import mooncake_tbt
+
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(ax, values_ms: list[float], label: str) -> None:
+    xs = sorted(values_ms)
+    if xs:
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
+
+
+def plot_cdfs(runs: list[dict], path: Path) -> Path:
+    """One panel each for TTFT, TBT (all gaps, and Mooncake's per request) and E2E; a line per run."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    panels = [
+        ("TTFT", lambda rs: [r["ttft_s"] * 1000 for r in rs]),
+        ("TBT, every gap", lambda rs: [g * 1000 for r in rs for g in r["gaps_s"]]),
+        ("TBT, Mooncake (mean of longest 10% per request)",
+         lambda rs: [t * 1000 for r in rs if (t := mooncake_tbt(r["gaps_s"])) is not None]),
+        ("E2E latency", lambda rs: [r["e2e_s"] * 1000 for r in rs]),
+    ]
+    for ax, (title, values) in zip(axes, panels):
+        for run in runs:
+            ok = [r for r in run["records"] if r["error"] is None]
+            _cdf(ax, values(ok), run["label"])
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_tbt_over_time(run: dict, path: Path) -> Path:
+    """Every gap at the wall time its later token arrived, from the start of the run."""
+    plt = _pyplot()
+    xs, ys = [], []
+    for r in run["records"]:
+        if r["error"] is not None:
+            continue
+        t = r["sent_s"] + r["ttft_s"]
+        for gap in r["gaps_s"]:
+            t += gap
+            xs.append(t)
+            ys.append(gap * 1000)
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    ax.scatter(xs, ys, s=4, alpha=0.5)
+    ax.set_title(f"Gaps between tokens over time ({run['label']})", fontsize=10)
+    ax.set_xlabel("time since the run started (s)")
+    ax.set_ylabel("gap (ms)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_goodput(runs: list[dict], path: Path) -> Path:
+    """Goodput and throughput (requests/s) against the offered request rate, one point per run."""
+    plt = _pyplot()
+    rates = [run["request_rate"] for run in runs]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(rates, [run["metrics"]["request_throughput"] for run in runs], "o--", label="throughput")
+    ax.plot(rates, [run["metrics"]["goodput"] for run in runs], "o-", label="goodput (met both SLOs)")
+    ax.plot(rates, rates, ":", color="grey", label="offered rate")
+    m = runs[0]["metrics"]
+    slo = ", ".join(f"{name} {m[key]:g} ms" for name, key in (("TTFT", "slo_ttft_ms"), ("TBT", "slo_tbt_ms"))
+                    if m[key] is not None) or "none set"
+    ax.set_title(f"Goodput vs request rate (SLO: {slo})", fontsize=10)
+    ax.set_xlabel("request rate (requests/s)")
+    ax.set_ylabel("requests/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(runs: list[dict], directory: Path) -> list[Path]:
+    """Every plot for ``runs`` into ``directory``; goodput vs rate only for a sweep of rates."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [plot_cdfs(runs, directory / "latency_cdf.png")]
+    for i, run in enumerate(runs):
+        slug = "".join(c if c.isalnum() or c in ".-" else "-" for c in run["label"].replace("=", ""))
+        name = "tbt_over_time.png" if len(runs) == 1 else f"tbt_over_time_{i}_{slug}.png"
+        paths.append(plot_tbt_over_time(run, directory / name))
+    finite = [run for run in runs if isinstance(run["request_rate"], (int, float))]  # not "inf"
+    if len(finite) > 1:
+        paths.append(plot_goodput(finite, directory / "goodput_vs_rate.png"))
+    return paths

@@ -1,0 +1,96 @@
+"""Send a workload on its arrival schedule and collect one record per request."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+from tqdm import tqdm
+
+from pdflow.bench.prompts import PromptBuilder
+from pdflow.bench.serve_client import RequestRecord, fetch_timeline, payload, send
+from pdflow.bench.workloads import BenchRequest
+
+
+@dataclass(slots=True)
+class Target:
+    base_url: str
+    model: str
+    endpoint: str = "completions"  # or "chat"
+    ignore_eos: bool = True
+    text_prompts: bool = False  # send text to /v1/completions too, not token ids
+    timeout_s: float = 600.0
+    api_key: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/v1/{'chat/completions' if self.endpoint == 'chat' else 'completions'}"
+
+
+def schedule(requests: list[BenchRequest], rate: float | None, seed: int) -> list[float]:
+    """Arrival times (s from the start): the trace's own when ``rate`` is None, all at once for
+    ``inf``, else a seeded Poisson process of ``rate`` requests per second."""
+    if rate is None:
+        return [r.arrival_s or 0.0 for r in requests]
+    if rate == float("inf"):
+        return [0.0] * len(requests)
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in requests:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def client_for(target: Target, connections: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    limits = httpx.Limits(max_connections=max(connections, 1), max_keepalive_connections=max(connections, 1))
+    timeout = httpx.Timeout(target.timeout_s, connect=min(30.0, target.timeout_s))
+    return httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout)
+
+
+async def run(target: Target, requests: list[BenchRequest], builder: PromptBuilder, arrivals: list[float],
+              max_concurrency: int | None = None, timelines: bool = False, save_prompts: bool = False,
+              progress: bool = True, label: str = "") -> tuple[list[RequestRecord], float]:
+    """Send every request at its arrival time (waiting for a free slot under ``max_concurrency``);
+    returns the records, in workload order, and the seconds from the start to the last reply."""
+    bodies, records = [], []
+    for i, req in enumerate(requests):
+        prompt = req.prompt
+        if isinstance(prompt, list) and (target.endpoint == "chat" or target.text_prompts):
+            prompt = builder.text(prompt)
+        bodies.append(payload(target.endpoint, target.model, prompt, req.output_len, target.ignore_eos))
+        records.append(RequestRecord(i, req.prompt_len, req.output_len, scheduled_s=arrivals[i],
+                                     prompt=prompt if save_prompts else None))
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), desc=label or "requests", unit="req", disable=not progress,
+               dynamic_ncols=True)
+    finished = 0.0
+
+    async with client_for(target, max_concurrency or len(requests)) as client:
+        async def one(i: int) -> None:
+            nonlocal finished
+            if slots:
+                await slots.acquire()
+            try:
+                await send(client, target.url, bodies[i], records[i], origin)
+            finally:
+                if slots:
+                    slots.release()
+            finished = max(finished, time.perf_counter() - origin)
+            if timelines and records[i].request_id:
+                records[i].timeline = await fetch_timeline(client, target.base_url, records[i].request_id)
+            bar.update(1)
+
+        tasks = []
+        origin = time.perf_counter()
+        for i in sorted(range(len(requests)), key=lambda k: arrivals[k]):
+            delay = arrivals[i] - (time.perf_counter() - origin)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    bar.close()
+    return records, finished

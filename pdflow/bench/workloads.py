@@ -1,0 +1,147 @@
+"""Workloads: which requests a benchmark sends, with what prompt, output length and arrival time.
+
+* ``fixed``: every request ``input_len`` prompt tokens and ``output_len`` output tokens.
+* ``random``: lengths drawn uniformly from inclusive ranges, seeded.
+* ``trace``: a Mooncake-format JSONL (``timestamp`` ms, ``input_length``, ``output_length``,
+  ``hash_ids`` over 512-token blocks). ``token_scale`` shrinks lengths and the block size
+  together, so requests that share leading hash ids still share leading blocks; ``time_scale``
+  speeds the arrivals up (2 = twice as fast).
+* ``jsonl``: a file of ``{"prompt": str | [ids], "max_tokens": n}`` lines, sent as written.
+
+Generated prompts never share blocks unless a trace says so: ``fixed`` and ``random`` give each
+request its own key.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdflow.bench.prompts import PromptBuilder
+
+TRACE_BLOCK = 512  # tokens per hash id in the Mooncake traces
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt: str | list[int]  # token ids for generated prompts, else the text as given
+    prompt_len: int  # tokens, by the benchmark's tokenizer
+    output_len: int
+    arrival_s: float | None = None  # from the trace; None: the arrival process decides
+    hash_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkloadSpec:
+    dataset: str = "fixed"
+    num_prompts: int = 16
+    input_len: int = 128
+    output_len: int = 32
+    input_len_range: tuple[int, int] | None = None
+    output_len_range: tuple[int, int] | None = None
+    path: str | None = None
+    token_scale: float = 1.0
+    time_scale: float = 1.0
+    limit: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dataset not in ("fixed", "random", "trace", "jsonl"):
+            raise ValueError(f"dataset: unknown {self.dataset!r} (fixed, random, trace, jsonl)")
+        if self.dataset in ("trace", "jsonl") and not self.path:
+            raise ValueError(f"dataset {self.dataset}: --dataset-path is required")
+        if self.token_scale <= 0 or self.time_scale <= 0:
+            raise ValueError("token_scale and time_scale must be positive")
+        for name in ("input_len_range", "output_len_range"):
+            span = getattr(self, name)
+            if span is not None and not 1 <= span[0] <= span[1]:
+                raise ValueError(f"{name}: need 1 <= a <= b, got {span[0]}:{span[1]}")
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"a:b"`` as an inclusive pair of ints."""
+    lo, sep, hi = text.partition(":")
+    if not sep:
+        raise ValueError(f"expected a:b, got {text!r}")
+    return int(lo), int(hi)
+
+
+def build(spec: WorkloadSpec, builder: PromptBuilder) -> list[BenchRequest]:
+    if spec.dataset == "trace":
+        return _trace(spec, builder)
+    if spec.dataset == "jsonl":
+        return _jsonl(spec, builder)
+    rng = random.Random(spec.seed)
+    requests = []
+    for i in range(spec.num_prompts):
+        if spec.dataset == "random":
+            n_in = rng.randint(*(spec.input_len_range or (spec.input_len, spec.input_len)))
+            n_out = rng.randint(*(spec.output_len_range or (spec.output_len, spec.output_len)))
+        else:
+            n_in, n_out = spec.input_len, spec.output_len
+        ids = builder.prompt([f"r{i}"], [n_in])
+        requests.append(BenchRequest(ids, len(ids), n_out))
+    return requests
+
+
+def scaled(tokens: int, scale: float) -> int:
+    return max(1, round(tokens * scale))
+
+
+def trace_prompt(builder: PromptBuilder, hash_ids: list[int], input_len: int, block: int) -> list[int]:
+    """``input_len`` tokens as blocks of ``block`` tokens keyed by ``hash_ids``; the last block is
+    the (partial) rest. A hash id always names the same tokens, whatever request it is in."""
+    if not hash_ids:
+        return builder.prompt(["h-none"], [input_len])
+    n = len(hash_ids)
+    last = min(max(input_len - (n - 1) * block, 1), block)
+    return builder.prompt([f"h{h}" for h in hash_ids], [block] * (n - 1) + [last])
+
+
+def _lines(path: str, limit: int | None) -> list[dict]:
+    rows = []
+    with open(Path(path).expanduser()) as f:
+        for number, line in enumerate(f, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+    return rows
+
+
+def _trace(spec: WorkloadSpec, builder: PromptBuilder) -> list[BenchRequest]:
+    block = scaled(TRACE_BLOCK, spec.token_scale)
+    rows = _lines(spec.path, spec.limit)
+    start = min((row["timestamp"] for row in rows), default=0)
+    requests = []
+    for row in sorted(rows, key=lambda r: r["timestamp"]):  # stable: ties keep file order
+        hash_ids = list(row.get("hash_ids", []))
+        ids = trace_prompt(builder, hash_ids, scaled(row["input_length"], spec.token_scale), block)
+        arrival = (row["timestamp"] - start) / 1000 / spec.time_scale
+        requests.append(BenchRequest(ids, len(ids), scaled(row["output_length"], spec.token_scale),
+                                     arrival, hash_ids))
+    return requests
+
+
+def _jsonl(spec: WorkloadSpec, builder: PromptBuilder) -> list[BenchRequest]:
+    requests = []
+    for row in _lines(spec.path, spec.limit):
+        prompt = row["prompt"]
+        n_in = len(prompt) if isinstance(prompt, list) else len(builder.tokenizer.encode(prompt))
+        requests.append(BenchRequest(prompt, n_in, int(row.get("max_tokens") or spec.output_len)))
+    return requests
+
+
+def shared_prefix_blocks(a: BenchRequest, b: BenchRequest) -> int:
+    """How many leading hash ids two trace requests share."""
+    return next((i for i, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids)) if x != y),
+                min(len(a.hash_ids), len(b.hash_ids)))
+
+
+def block_size(token_scale: float) -> int:
+    return scaled(TRACE_BLOCK, token_scale)
