@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.pdflow_server import PdflowServer
+from pdflow.testing.server import PdflowServer
 
 
 @pytest.fixture(scope="session")

@@ -11,12 +11,12 @@ import zmq.asyncio
 from pdflow.bus import Bus, make_socket
 from pdflow.messages import PROTOCOL_VERSION, Cancel, Hello, encoder
 from pdflow.topology import parse_topology
-from tests.pdflow_server import _free_base, topology_text
+from pdflow.testing.server import free_port_base, topology_text
 
 
 def _topology(tmp_path):
     path = tmp_path / "topology.toml"
-    path.write_text(topology_text(_free_base()))
+    path.write_text(topology_text(free_port_base()))
     return parse_topology(path.read_text(), path)
 
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pdflow.timeline import chrome_trace, kv_summary
-from tests.pdflow_server import PdflowServer
+from pdflow.testing.server import PdflowServer
 
 pytestmark = pytest.mark.e2e
 

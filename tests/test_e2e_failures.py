@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.pdflow_server import PdflowServer
+from pdflow.testing.server import PdflowServer
 
 pytestmark = pytest.mark.e2e
 

@@ -1,7 +1,8 @@
-"""Start `pdflow run` on free ports in a subprocess, for end-to-end tests."""
+"""Start `pdflow run` on free ports in a subprocess: for end-to-end tests, benchmarks and experiments."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -16,7 +17,7 @@ import httpx
 _PORTS = 10  # server, control (2), five stage control ports, two data ports
 
 
-def _free_base() -> int:
+def free_port_base() -> int:
     for _ in range(200):
         base = random.randrange(20000, 60000 - _PORTS)
         try:
@@ -29,8 +30,16 @@ def _free_base() -> int:
     raise RuntimeError("no free port range found")
 
 
+def _inline(options: dict | None) -> str:
+    if not options:
+        return "{}"
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items()) + " }"
+
+
 def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str = "disaggregated",
-                  chunked_prefill_tokens: int = 0) -> str:
+                  chunked_prefill_tokens: int = 0, kv_streaming: str = "layer",
+                  link_options: dict | None = None) -> str:
+    """A topology on ports ``base`` .. ``base + 9``; ``link_options`` go on the prefill -> kv_shuttle link."""
     if mode == "colocated":
         return _colocated_text(base, extra, chunked_prefill_tokens)
     return f"""
@@ -48,6 +57,9 @@ max_batch = 32
 ready_timeout_s = 240
 heartbeat_timeout_s = 10
 request_timeout_s = 120
+
+[engine]
+kv_streaming = "{kv_streaming}"
 
 [stages.ingress]
 port = {base + 3}
@@ -68,6 +80,7 @@ port = {base + 7}
 src = "prefill"
 dst = "kv_shuttle"
 transport = "{transport}"
+options = {_inline(link_options)}
 
 [[links]]
 src = "kv_shuttle"
@@ -113,12 +126,15 @@ class PdflowServer:
     """``with PdflowServer(tmp) as s:`` runs `pdflow run` until the block ends (SIGTERM)."""
 
     def __init__(self, workdir: Path, transport: str = "tcp", extra: str = "", startup_timeout_s: float = 240,
-                 log_format: str = "console", mode: str = "disaggregated", chunked_prefill_tokens: int = 0):
+                 log_format: str = "console", mode: str = "disaggregated", chunked_prefill_tokens: int = 0,
+                 kv_streaming: str = "layer", link_options: dict | None = None):
         self.workdir = workdir
-        base = _free_base()
+        base = free_port_base()
         self.url = f"http://127.0.0.1:{base}"
         self.topology = workdir / "topology.toml"
-        self.topology.write_text(topology_text(base, transport, extra, mode, chunked_prefill_tokens))
+        self.topology.write_text(
+            topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options)
+        )
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s
         self.log_format = log_format

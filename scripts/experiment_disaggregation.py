@@ -1,0 +1,266 @@
+#!/usr/bin/env python
+"""Does disaggregation pay on this machine? One command, minutes on 2 cores.
+
+1. serve: PD (prefill pinned to core 0, decode to core 1) against the colocated worker on the
+   same two cores, without and with chunked prefill, under a mixed load of short and long prompts
+   swept over request rates, plus a scaled replay of the Mooncake conversation trace. Reports
+   TTFT/TBT percentiles and goodput under the stated SLOs, as ratios from the same run.
+2. kv-tail: PD with kv_streaming = "layer" against "request" at 2K- and 8K-token prompts through
+   an emulated link slow enough that the transfer is a large part of prefill.
+3. overhead: decode tokens/s through the whole PD pipeline against the bare engine's decode loop
+   at the same batch size, and how long a token takes from decode to the client.
+
+    .venv/bin/python scripts/experiment_disaggregation.py --out bench-results/experiment
+    .venv/bin/python scripts/experiment_disaggregation.py --parts kv-tail,overhead --quick
+
+Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json, plots to <out>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from pdflow.testing.server import PdflowServer
+from pdflow.timeline import kv_summary, plot
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+DESIGNS = {
+    "pd": {},
+    "colocated": {"mode": "colocated"},
+    "colocated-chunked": {"mode": "colocated", "chunked_prefill_tokens": 256},
+}
+_lines: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    _lines.append(line)
+
+
+def _bench(url: str, out: Path, argv: list[str]) -> dict:
+    from pdflow.bench.serve import main, parse_args
+
+    args = parse_args(["--base-url", url, "--no-progress", "--result-json", str(out), *argv])
+    main(args)
+    return json.loads(out.read_text())
+
+
+# --- 1. serve ----------------------------------------------------------------------------------
+
+
+def part_serve(opts, out: Path) -> None:
+    rates = opts.rates
+    mixed = ["--dataset", "random", "--input-len-range", opts.input_range, "--output-len-range", "32:64",
+             "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", rates,
+             "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
+    trace = ["--dataset", "trace", "--dataset-path", str(TRACE), "--token-scale", "0.02",
+             "--time-scale", str(opts.trace_time_scale), "--limit", str(opts.trace_limit),
+             "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
+    results: dict[str, dict] = {}
+    for design, config in DESIGNS.items():
+        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), **config) as server:
+            say(f"- {design}: running the mixed load at {rates} req/s, then the trace")
+            results[design] = {
+                "mixed": _bench(server.url, out / f"serve-{design}-mixed.json",
+                                mixed + ["--plot-dir", str(out / f"plots-{design}")]),
+                "trace": _bench(server.url, out / f"serve-{design}-trace.json", trace),
+            }
+    say()
+    say(f"Mixed load: random input {opts.input_range} tokens, output 32-64, {opts.num_prompts} requests "
+        f"per rate; SLOs: TTFT <= {opts.slo_ttft:.0f} ms, TBT (Mooncake: mean of the longest 10% gaps "
+        f"of a request) <= {opts.slo_tbt:.0f} ms")
+    say()
+    header = ("| rate | design | TTFT p50 | TTFT p99 | TBT p50 | TBT p99 | Mooncake TBT p99 | goodput (req/s) "
+              "| good |")
+    say(header)
+    say("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for i, rate in enumerate(rates.split(",")):
+        for design in DESIGNS:
+            m = results[design]["mixed"]["runs"][i]["metrics"]
+            say(f"| {rate} | {design} | {m['ttft_ms']['p50']:.0f} | {m['ttft_ms']['p99']:.0f} | "
+                f"{m['tbt_ms']['p50']:.0f} | {m['tbt_ms']['p99']:.0f} | {m['tbt_mooncake_ms']['p99']:.0f} | "
+                f"{m['goodput']:.3f} | {m['goodput_fraction']:.0%} |")
+    say()
+    say("Ratios from the same run (colocated / PD for TBT p99, PD / colocated for goodput):")
+    say()
+    say("| rate | vs | TBT p99 ratio | Mooncake TBT p99 ratio | goodput ratio |")
+    say("|---|---|---:|---:|---:|")
+    for i, rate in enumerate(rates.split(",")):
+        pd = results["pd"]["mixed"]["runs"][i]["metrics"]
+        for design in ("colocated", "colocated-chunked"):
+            m = results[design]["mixed"]["runs"][i]["metrics"]
+            good = pd["goodput"] / m["goodput"] if m["goodput"] else float("inf")
+            say(f"| {rate} | {design} | {m['tbt_ms']['p99'] / pd['tbt_ms']['p99']:.2f}x | "
+                f"{m['tbt_mooncake_ms']['p99'] / pd['tbt_mooncake_ms']['p99']:.2f}x | {good:.2f}x |")
+    say()
+    say(f"Scaled conversation trace (token scale 0.02, time scale {opts.trace_time_scale}, first "
+        f"{opts.trace_limit} requests):")
+    say()
+    say("| design | TTFT p50 | TTFT p99 | TBT p99 | Mooncake TBT p99 | goodput (req/s) | good |")
+    say("|---|---:|---:|---:|---:|---:|---:|")
+    for design in DESIGNS:
+        m = results[design]["trace"]["runs"][0]["metrics"]
+        say(f"| {design} | {m['ttft_ms']['p50']:.0f} | {m['ttft_ms']['p99']:.0f} | {m['tbt_ms']['p99']:.0f} | "
+            f"{m['tbt_mooncake_ms']['p99']:.0f} | {m['goodput']:.3f} | {m['goodput_fraction']:.0%} |")
+
+
+# --- 2. KV tail ----------------------------------------------------------------------------------
+
+
+def _one_prompt(url: str, tokens: int) -> dict:
+    prompt = [(i * 7919) % 40000 + 1000 for i in range(tokens)]  # plain token ids, no special tokens
+    reply = httpx.post(f"{url}/v1/completions", timeout=900,
+                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                             "ignore_eos": True}).json()
+    return httpx.get(f"{url}/debug/timeline/{reply['id']}", timeout=30).json()
+
+
+def part_kv_tail(opts, out: Path) -> None:
+    link = {"bandwidth": opts.link_bandwidth, "latency": opts.link_latency}
+    rows = []
+    for streaming in ("layer", "request"):
+        with tempfile.TemporaryDirectory() as tmp, PdflowServer(
+            Path(tmp), kv_streaming=streaming, link_options=link
+        ) as server:
+            for tokens in opts.kv_tokens:
+                say(f"- kv_streaming={streaming}: a {tokens}-token prompt through a {opts.link_bandwidth} link")
+                timeline = _one_prompt(server.url, tokens)
+                summary = kv_summary(timeline)
+                rows.append((streaming, tokens, summary))
+                (out / f"timeline-{streaming}-{tokens}.json").write_text(json.dumps(timeline))
+                plot(timeline, out / f"timeline-{streaming}-{tokens}.png",
+                     title=f"kv_streaming={streaming}, {tokens} tokens, {opts.link_bandwidth}")
+    say()
+    say(f"KV tail (prefill's last layer computed -> decode holds all KV) through an emulated "
+        f"{opts.link_bandwidth} / {opts.link_latency} link on prefill -> kv-shuttle:")
+    say()
+    say("| streaming | prompt tokens | prefill (s) | whole transfer (s) | one layer (ms) | KV tail (ms) "
+        "| tail / one layer | hidden |")
+    say("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for streaming, tokens, s in rows:
+        say(f"| {streaming} | {tokens} | {s['prefill_s']:.2f} | {s['whole_transfer_s']:.2f} | "
+            f"{s['one_layer_transfer_s'] * 1e3:.1f} | {s['kv_tail_s'] * 1e3:.1f} | "
+            f"{s['tail_over_one_layer']:.2f} | {s['hidden_fraction']:.0%} |")
+
+
+# --- 3. pipeline overhead ------------------------------------------------------------------------
+
+
+def _bare_decode_step_s(batch: int, prompt_tokens: int, steps: int) -> float:
+    """The engine's own decode loop, pinned like the decode stage (core 1, one thread)."""
+    import torch
+
+    from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
+    from pdflow.messages import SamplingParams
+    from pdflow.models import resolve
+
+    os.sched_setaffinity(0, {1})
+    torch.set_num_threads(1)
+    loaded = load_model(resolve("smollm2", progress=False))
+    layout = loaded.layout
+    decode = DecodeBatch(loaded, batch)
+    kv = [torch.randn(layout.num_kv_heads, prompt_tokens, layout.head_dim) for _ in range(2)]
+    for i in range(batch):
+        decode.add(Sequence(str(i), prompt_tokens, 100 + i, Sampler(SamplingParams(temperature=0))),
+                   lambda layer: (kv[0], kv[1]))
+    decode.step()  # warm-up
+    started = time.perf_counter()
+    for _ in range(steps):
+        decode.step()
+    return (time.perf_counter() - started) / steps
+
+
+def _stream_arrivals(url: str, prompt: list[int], max_tokens: int) -> tuple[str, list[float]]:
+    arrivals, request_id = [], ""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                request_id = chunk["id"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    arrivals.append(time.monotonic())
+    return request_id, arrivals
+
+
+def part_overhead(opts, out: Path) -> None:
+    import concurrent.futures
+
+    batch, prompt_tokens, new_tokens = opts.batch, 128, 48
+    bare = _bare_decode_step_s(batch, prompt_tokens + new_tokens // 2, 32)
+    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
+        prompts = [[(i * 31 + j * 7) % 40000 + 1000 for j in range(prompt_tokens)] for i in range(batch)]
+        with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+            streams = list(pool.map(lambda p: _stream_arrivals(server.url, p, new_tokens), prompts))
+        timelines = [httpx.get(f"{server.url}/debug/timeline/{rid}", timeout=30).json() for rid, _ in streams]
+        latency_rid, arrivals = _stream_arrivals(server.url, prompts[0], new_tokens)
+        single = httpx.get(f"{server.url}/debug/timeline/{latency_rid}", timeout=30).json()
+    # steady state: steps while every request of the batch was running
+    start = max(t["decode.steps"][0] for t in timelines)
+    end = min(t["decode.steps"][-1] for t in timelines)
+    steps = sorted({round(s, 6) for t in timelines for s in t["decode.steps"] if start <= s <= end})
+    pipeline = statistics.median(b - a for a, b in zip(steps, steps[1:]))
+    # token i >= 1 comes from decode step i - 1; arrivals[0] is prefill's token
+    deltas = [a - s for a, s in zip(arrivals[1:], single["decode.steps"])]
+    say()
+    say(f"Pipeline overhead (batch {batch}, {prompt_tokens}-token prompts, {new_tokens} new tokens each):")
+    say()
+    say("| measure | value |")
+    say("|---|---:|")
+    say(f"| bare engine decode step (core 1, 1 thread) | {bare * 1e3:.1f} ms = {batch / bare:.1f} tok/s |")
+    say(f"| PD pipeline decode step, steady state (median) | {pipeline * 1e3:.1f} ms = {batch / pipeline:.1f} tok/s |")
+    say(f"| pipeline / bare tokens per second | {bare / pipeline:.2f}x |")
+    say(f"| decode produced -> client received, p50 | {statistics.median(deltas) * 1e3:.2f} ms |")
+    say(f"| decode produced -> client received, p90 | {sorted(deltas)[int(0.9 * (len(deltas) - 1))] * 1e3:.2f} ms |")
+    (out / "overhead.json").write_text(json.dumps({"bare_step_s": bare, "pipeline_step_s": pipeline,
+                                                   "token_to_client_s": deltas}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "experiment")
+    parser.add_argument("--parts", default="serve,kv-tail,overhead")
+    parser.add_argument("--quick", action="store_true", help="fewer requests and smaller prompts (a smoke run)")
+    parser.add_argument("--rates", default="0.2,0.4")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--input-range", default="32:768")
+    parser.add_argument("--slo-ttft", type=float, default=10000.0)
+    parser.add_argument("--slo-tbt", type=float, default=300.0)
+    parser.add_argument("--trace-limit", type=int, default=16)
+    parser.add_argument("--trace-time-scale", type=float, default=4.0)
+    parser.add_argument("--kv-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192])
+    parser.add_argument("--link-bandwidth", default="200Mbit")
+    parser.add_argument("--link-latency", default="0.5ms")
+    parser.add_argument("--batch", type=int, default=8)
+    opts = parser.parse_args()
+    if opts.quick:
+        opts.rates, opts.num_prompts, opts.input_range, opts.trace_limit = "0.5", 4, "16:128", 4
+        opts.kv_tokens, opts.batch = [256], 4
+    opts.out.mkdir(parents=True, exist_ok=True)
+    say(f"# pdflow disaggregation experiment ({time.strftime('%Y-%m-%d %H:%M')}, load average "
+        f"{os.getloadavg()[0]:.2f}, {os.cpu_count()} cores)")
+    say(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
+    parts = {"serve": part_serve, "kv-tail": part_kv_tail, "overhead": part_overhead}
+    for name in opts.parts.split(","):
+        say()
+        say(f"## {name}")
+        parts[name](opts, opts.out)
+    (opts.out / "summary.md").write_text("\n".join(_lines) + "\n")
+    say()
+    say(f"written: {opts.out / 'summary.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
