@@ -12,6 +12,8 @@ _EPILOG = """examples:
   pdflow validate topology.toml       check a topology file without starting anything
   pdflow models pull smollm2          fetch and convert the default model once
   pdflow bench transfer               measure the KV transports against memcpy and a plain socket
+  pdflow bench serve --base-url URL   load an OpenAI-compatible server: TTFT, TBT, goodput
+  pdflow trace cmpl-...               a request's timeline as a Perfetto trace, a PNG and its KV tail
 """
 
 
@@ -52,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("--quiet", action="store_true", help="no progress bars")
     models_sub.add_parser("list", help="list known models and whether each is in the cache")
     _bench_parser(sub)
+    _trace_parser(sub)
     return parser
 
 
@@ -67,9 +70,29 @@ def _bench_parser(sub) -> None:
         "and a plain socket", description=transfer.DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     ))
+    from pdflow.bench import serve
+
+    serve.add_parser(bench_sub)
+
+
+def _trace_parser(sub) -> None:
+    trace = sub.add_parser(
+        "trace", help="a finished request's timeline as a Chrome/Perfetto trace, a PNG and its KV tail",
+        description="Fetch GET /debug/timeline/REQUEST_ID from a running pdflow (or read a saved "
+        "timeline), print the KV tail (prefill's last layer computed -> decode holds all KV) against "
+        "the whole transfer, and write a Chrome/Perfetto trace (open it in ui.perfetto.dev) and a PNG.",
+    )
+    trace.add_argument("request_id", help="the response's id (chatcmpl-... or cmpl-...)")
+    trace.add_argument("--url", default="http://127.0.0.1:8000", help="pdflow's base URL (default: %(default)s)")
+    trace.add_argument("--from-file", metavar="JSON", help="read the timeline from this file instead")
+    trace.add_argument("-o", "--output", default=None, metavar="JSON",
+                       help="the trace file to write (default: trace-REQUEST_ID.json)")
+    trace.add_argument("--png", default=None, metavar="PNG", help="also draw the timeline (needs matplotlib)")
 
 
 def _bench(args) -> int:
+    if args.bench_command == "serve":
+        return args.bench_main(args)
     from pdflow.bench import transfer
 
     return transfer.main(args)
@@ -130,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         return _validate(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "trace":
+        from pdflow.timeline import cli_trace
+
+        return cli_trace(args)
     from pdflow import models
     from pdflow.log import configure_logging
 

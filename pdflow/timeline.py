@@ -14,7 +14,9 @@ in several processes of one host (one clock), under these keys:
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 from pathlib import Path
 
 
@@ -101,3 +103,38 @@ def plot(timeline: dict[str, list[float]], path: str | Path, title: str = "") ->
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def cli_trace(args) -> int:
+    """``pdflow trace``: fetch or read a timeline, print its KV summary, write trace (and PNG)."""
+    if args.from_file:
+        timeline = json.loads(Path(args.from_file).read_text())
+    else:
+        import httpx
+
+        try:
+            response = httpx.get(f"{args.url.rstrip('/')}/debug/timeline/{args.request_id}", timeout=30)
+        except httpx.HTTPError as exc:
+            sys.stderr.write(f"error: cannot reach {args.url}: {exc}\n")
+            return 1
+        if response.status_code != 200:
+            sys.stderr.write(f"error: {response.json().get('error', {}).get('message', response.text)}\n")
+            return 1
+        timeline = response.json()
+    output = Path(args.output or f"trace-{args.request_id}.json")
+    output.write_text(json.dumps(chrome_trace(timeline, args.request_id)))
+    if timeline.get("decode.layer_in"):
+        summary = kv_summary(timeline)
+        sys.stdout.write(
+            f"{summary['layers']} layers, prefill {summary['prefill_s'] * 1e3:.1f} ms\n"
+            f"KV tail {summary['kv_tail_s'] * 1e3:.2f} ms = {summary['tail_over_one_layer']:.2f}x one layer's "
+            f"transfer ({summary['one_layer_transfer_s'] * 1e3:.2f} ms); whole transfer "
+            f"{summary['whole_transfer_s'] * 1e3:.2f} ms, {summary['hidden_fraction']:.0%} of it hidden "
+            "behind prefill\n"
+        )
+    else:
+        sys.stdout.write("no KV transfer in this timeline (colocated, or the request ended at prefill)\n")
+    sys.stdout.write(f"trace: {output} (open in ui.perfetto.dev or chrome://tracing)\n")
+    if args.png:
+        sys.stdout.write(f"picture: {plot(timeline, args.png, args.request_id)}\n")
+    return 0
