@@ -7,7 +7,8 @@ in several processes of one host (one clock), under these keys:
 - ``prefill.start`` / ``prefill.end``; ``prefill.layer_done[l]``: layer *l*'s KV computed;
 - ``prefill.send_start``: the first KV write began (after the whole prefill with
   ``kv_streaming = "request"``);
-- ``prefill.layer_sent[l]``: layer *l*'s keys and values handed to the data plane;
+- ``prefill.layer_sent[l]``: layer *l*'s keys and values handed to the data plane (the write
+  returned);
 - ``decode.layer_in[l]``: layer *l* landed in decode's memory (through kv-shuttle);
 - ``decode.joined``, ``decode.steps`` (one per generated token), ``decode.end``.
 """
@@ -20,33 +21,43 @@ import sys
 from pathlib import Path
 
 
+def _transfer_starts(timeline: dict[str, list[float]]) -> list[float]:
+    """When each layer's transfer could begin: computed, sending begun, and the layer before landed."""
+    done, landed = timeline["prefill.layer_done"], timeline["decode.layer_in"]
+    send_start = timeline.get("prefill.send_start", done[:1])[0]
+    return [max(done[i], send_start, landed[i - 1] if i else 0.0) for i in range(len(landed))]
+
+
 def kv_summary(timeline: dict[str, list[float]]) -> dict[str, float]:
     """The KV tail (prefill's last layer computed -> decode holds all KV) against the transfer.
 
-    A layer's own transfer time is measured from when it could start (computed, and the layer
-    before it landed) to when it landed; the whole transfer is their sum, what a transfer that
-    overlapped nothing would take. ``hidden`` is the fraction of it that overlapped prefill.
+    A layer's own transfer time runs from when it could start (computed, and the layer before it
+    landed) to when it landed; the whole transfer is their sum, what a transfer that overlapped
+    nothing would take. ``hidden`` is the fraction of it that overlapped prefill.
     """
     done, landed = timeline["prefill.layer_done"], timeline["decode.layer_in"]
-    send_start = timeline.get("prefill.send_start", done[:1])[0]
-    per_layer = [landed[0] - max(done[0], send_start)] + [
-        landed[i] - max(done[i], landed[i - 1], send_start) for i in range(1, len(done))
-    ]
+    per_layer = [end - start for start, end in zip(_transfer_starts(timeline), landed)]
     whole = sum(per_layer)
     tail = max(landed) - done[-1]
+    one = statistics.median(per_layer)
     return {
         "layers": len(done),
         "prefill_s": done[-1] - timeline["prefill.start"][0],
         "kv_tail_s": tail,
-        "one_layer_transfer_s": statistics.median(per_layer),
+        "one_layer_transfer_s": one,
         "whole_transfer_s": whole,
-        "tail_over_one_layer": tail / statistics.median(per_layer) if per_layer else float("nan"),
+        "tail_over_one_layer": tail / one if one > 0 else float("nan"),
         "hidden_fraction": 1.0 - tail / whole if whole > 0 else float("nan"),
     }
 
 
+LANES = ("compute", "KV transfer", "decode steps")
+
+
 def chrome_trace(timeline: dict[str, list[float]], request_id: str = "request") -> dict:
-    """Chrome/Perfetto trace JSON (load it in ui.perfetto.dev or chrome://tracing)."""
+    """Chrome/Perfetto trace JSON (load it in ui.perfetto.dev or chrome://tracing): prefill's
+    layers on one lane, each layer's KV transfer (prefill -> kv-shuttle -> decode) on the next,
+    decode's steps on the last."""
     t0 = timeline["prefill.start"][0]
     events: list[dict] = []
 
@@ -55,17 +66,14 @@ def chrome_trace(timeline: dict[str, list[float]], request_id: str = "request") 
                        "dur": max(end - start, 0.0) * 1e6, "args": {"request_id": request_id, **args}})
 
     done = timeline.get("prefill.layer_done", [])
-    sent = timeline.get("prefill.layer_sent", [])
     landed = timeline.get("decode.layer_in", [])
     previous = t0
     for layer, finished in enumerate(done):
         span(f"layer {layer}", "prefill", "compute", previous, finished, layer=layer)
         previous = finished
-        if layer < len(sent):
-            span(f"send layer {layer}", "prefill", "send (data plane)", finished, sent[layer], layer=layer)
-        if layer < len(landed):
-            start = sent[layer] if layer < len(sent) else finished
-            span(f"land layer {layer}", "decode", "receive (via kv-shuttle)", start, landed[layer], layer=layer)
+    if landed:
+        for layer, (start, end) in enumerate(zip(_transfer_starts(timeline), landed)):
+            span(f"KV layer {layer}", "data plane", "KV transfer", start, end, layer=layer)
     steps = timeline.get("decode.steps", [])
     step_start = timeline.get("decode.joined", [landed[-1] if landed else previous])[0]
     for i, at in enumerate(steps):
@@ -82,15 +90,13 @@ def plot(timeline: dict[str, list[float]], path: str | Path, title: str = "") ->
     import matplotlib.pyplot as plt
 
     trace = chrome_trace(timeline)["traceEvents"]
-    lanes = ["compute", "send (data plane)", "receive (via kv-shuttle)", "decode steps"]
-    colors = {"compute": "tab:blue", "send (data plane)": "tab:orange",
-              "receive (via kv-shuttle)": "tab:green", "decode steps": "tab:purple"}
-    fig, ax = plt.subplots(figsize=(11, 3.2))
+    colors = {"compute": "tab:blue", "KV transfer": "tab:orange", "decode steps": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(11, 2.8))
     for event in trace:
-        row = lanes.index(event["tid"])
+        row = LANES.index(event["tid"])
         ax.broken_barh([(event["ts"] / 1e3, event["dur"] / 1e3)], (row - 0.4, 0.8),
                        facecolors=colors[event["tid"]], edgecolors="white", linewidth=0.3)
-    ax.set_yticks(range(len(lanes)), ["prefill: layers", "prefill: send", "decode: KV landed", "decode: steps"])
+    ax.set_yticks(range(len(LANES)), ["prefill: layers", "KV transfer", "decode: steps"])
     ax.invert_yaxis()
     ax.set_xlabel("ms since prefill started")
     summary = kv_summary(timeline) if timeline.get("decode.layer_in") else None

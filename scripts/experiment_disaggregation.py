@@ -122,6 +122,8 @@ def _one_prompt(url: str, tokens: int) -> dict:
     reply = httpx.post(f"{url}/v1/completions", timeout=900,
                        json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0,
                              "ignore_eos": True}).json()
+    if "id" not in reply:
+        raise RuntimeError(f"the {tokens}-token request failed: {reply}")
     return httpx.get(f"{url}/debug/timeline/{reply['id']}", timeout=30).json()
 
 
@@ -239,8 +241,8 @@ def main() -> int:
     parser.add_argument("--slo-tbt", type=float, default=300.0)
     parser.add_argument("--trace-limit", type=int, default=16)
     parser.add_argument("--trace-time-scale", type=float, default=4.0)
-    parser.add_argument("--kv-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192])
-    parser.add_argument("--link-bandwidth", default="200Mbit")
+    parser.add_argument("--kv-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8000])
+    parser.add_argument("--link-bandwidth", default="50Mbit")
     parser.add_argument("--link-latency", default="0.5ms")
     parser.add_argument("--batch", type=int, default=8)
     opts = parser.parse_args()

@@ -142,7 +142,7 @@ def test_decode_receives_layer_0_before_prefill_finishes_its_last_layer(client, 
     assert all(t > 0 for t in timeline["decode.layer_in"])
 
     trace = json.loads(json.dumps(chrome_trace(timeline, reply.id)))
-    for lane in ("compute", "send (data plane)", "receive (via kv-shuttle)"):
+    for lane in ("compute", "KV transfer"):
         layers = sorted(e["args"]["layer"] for e in trace["traceEvents"] if e["tid"] == lane)
         assert layers == list(range(30)), lane
     assert kv_summary(timeline)["kv_tail_s"] < kv_summary(timeline)["whole_transfer_s"] + 1e-9

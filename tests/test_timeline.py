@@ -42,7 +42,7 @@ def test_a_slow_link_piles_up_layers():
 
 def test_chrome_trace_has_every_layer_on_each_lane(tmp_path):
     trace = json.loads(json.dumps(chrome_trace(_timeline(0.01, 0.002), "r-1")))
-    for lane in ("compute", "send (data plane)", "receive (via kv-shuttle)"):
+    for lane in ("compute", "KV transfer"):
         assert sorted(e["args"]["layer"] for e in trace["traceEvents"] if e["tid"] == lane) == [0, 1, 2, 3]
     assert all(e["ph"] == "X" and e["dur"] >= 0 for e in trace["traceEvents"])
     pytest.importorskip("matplotlib")
