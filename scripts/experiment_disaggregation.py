@@ -132,7 +132,7 @@ def part_kv_tail(opts, out: Path) -> None:
     rows = []
     for streaming in ("layer", "request"):
         with tempfile.TemporaryDirectory() as tmp, PdflowServer(
-            Path(tmp), kv_streaming=streaming, link_options=link
+            Path(tmp), kv_streaming=streaming, link_options=link, request_timeout_s=1200
         ) as server:
             for tokens in opts.kv_tokens:
                 say(f"- kv_streaming={streaming}: a {tokens}-token prompt through a {opts.link_bandwidth} link")

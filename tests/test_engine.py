@@ -144,3 +144,23 @@ def test_chunked_prefill_then_decode_equals_generate(engine, reference, chunk):
     while len(tokens) < len(expected):
         tokens.append(batch.step()[0][1])
     assert tokens == expected
+
+
+def test_sequences_join_and_leave_after_the_buffers_grew_during_a_step(engine):
+    """Growth inside step() makes the buffers inference tensors; add/remove must still work."""
+    loaded, _ = engine
+    layout = loaded.layout
+    batch = DecodeBatch(loaded, max_batch=4)
+
+    def seq(name: str, length: int):
+        kv = torch.randn(layout.num_kv_heads, length, layout.head_dim)
+        return Sequence(name, length, 100, _greedy()), lambda layer: (kv, kv)
+
+    batch.add(*seq("a", 254))
+    for _ in range(4):  # 254 -> 258 cached tokens: the buffers grow past 256 inside step()
+        batch.step()
+    batch.add(*seq("b", 10))
+    batch.remove(batch.sequences[0])
+    batch.add(*seq("c", 300))
+    assert [s.request_id for s in batch.sequences] == ["b", "c"]
+    assert len(batch.step()) == 2

@@ -85,6 +85,9 @@ class DecodeBatch:
                     buffers.append(fresh)
         self._rows_cap, self._len_cap = new_rows, new_len
 
+    # every method that touches the buffers runs in inference mode: buffers made during a step are
+    # inference tensors, which may only be written to in inference mode
+    @torch.inference_mode()
     def add(self, seq: Sequence, layer_kv) -> None:
         """Join the batch. ``layer_kv(layer)`` gives that layer's ``(keys, values)``, each shaped
         ``(kv_heads, tokens, head_dim)`` (views are fine: they are copied into the row)."""
@@ -98,6 +101,7 @@ class DecodeBatch:
             self.values[layer][row, :, : seq.length] = values
         self.sequences.append(seq)
 
+    @torch.inference_mode()
     def remove(self, seq: Sequence) -> None:
         row = self.sequences.index(seq)
         last = len(self.sequences) - 1

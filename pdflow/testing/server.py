@@ -38,10 +38,10 @@ def _inline(options: dict | None) -> str:
 
 def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str = "disaggregated",
                   chunked_prefill_tokens: int = 0, kv_streaming: str = "layer",
-                  link_options: dict | None = None) -> str:
+                  link_options: dict | None = None, request_timeout_s: float = 120) -> str:
     """A topology on ports ``base`` .. ``base + 9``; ``link_options`` go on the prefill -> kv_shuttle link."""
     if mode == "colocated":
-        return _colocated_text(base, extra, chunked_prefill_tokens)
+        return _colocated_text(base, extra, chunked_prefill_tokens, request_timeout_s)
     return f"""
 [model]
 source = "smollm2"
@@ -56,7 +56,7 @@ port = {base + 1}
 max_batch = 32
 ready_timeout_s = 240
 heartbeat_timeout_s = 10
-request_timeout_s = 120
+request_timeout_s = {request_timeout_s}
 
 [engine]
 kv_streaming = "{kv_streaming}"
@@ -90,7 +90,7 @@ transport = "{transport}"
 """
 
 
-def _colocated_text(base: int, extra: str, chunked_prefill_tokens: int) -> str:
+def _colocated_text(base: int, extra: str, chunked_prefill_tokens: int, request_timeout_s: float) -> str:
     return f"""
 [model]
 source = "smollm2"
@@ -105,7 +105,7 @@ port = {base + 1}
 max_batch = 32
 ready_timeout_s = 240
 heartbeat_timeout_s = 10
-request_timeout_s = 120
+request_timeout_s = {request_timeout_s}
 
 [engine]
 mode = "colocated"
@@ -127,13 +127,14 @@ class PdflowServer:
 
     def __init__(self, workdir: Path, transport: str = "tcp", extra: str = "", startup_timeout_s: float = 240,
                  log_format: str = "console", mode: str = "disaggregated", chunked_prefill_tokens: int = 0,
-                 kv_streaming: str = "layer", link_options: dict | None = None):
+                 kv_streaming: str = "layer", link_options: dict | None = None, request_timeout_s: float = 120):
         self.workdir = workdir
         base = free_port_base()
         self.url = f"http://127.0.0.1:{base}"
         self.topology = workdir / "topology.toml"
         self.topology.write_text(
-            topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options)
+            topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options,
+                          request_timeout_s)
         )
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s

@@ -1,0 +1,62 @@
+"""End to end with each other data plane selected in the topology: same answers, KV still streamed.
+
+tcp runs the whole of tests/test_e2e.py; here every other transport usable across processes on
+this machine (shm, ucx) runs the core of it: the Paris answer, concurrent streams equal to their
+single-request outputs, and layer-by-layer overlap. A transport that is not usable here is
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from pdflow import transports
+from pdflow.testing.server import PdflowServer
+
+pytestmark = pytest.mark.e2e
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
+             "Describe a cat in five words."]
+
+
+@pytest.fixture(scope="module", params=["shm", "ucx"])
+def server(request, tmp_path_factory, model_dir):
+    problem = transports.availability(request.param)
+    if problem:
+        pytest.skip(f"transport {request.param!r} is not available here: {problem}")
+    with PdflowServer(tmp_path_factory.mktemp(request.param), transport=request.param) as running:
+        yield running
+
+
+async def _answer(client, question: str) -> str:
+    stream = await client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=20,
+        stream=True,
+    )
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+def test_same_answers_alone_and_together(server):
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+        single = {q: await _answer(client, q) for q in QUESTIONS}
+        together = await asyncio.gather(*(_answer(client, q) for q in QUESTIONS * 3))
+        return single, together
+
+    single, together = asyncio.run(scenario())
+    assert "Paris" in single[QUESTIONS[0]]
+    assert together == [single[q] for q in QUESTIONS * 3]
+
+
+def test_layers_stream_while_prefill_computes(server):
+    prompt = "Summarize: " + " ".join(f"item {i} shipped on day {i % 30} in good order." for i in range(120))
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0}).json()
+    timeline = httpx.get(f"{server.url}/debug/timeline/{reply['id']}").json()
+    assert len(timeline["decode.layer_in"]) == 30
+    assert timeline["decode.layer_in"][0] < timeline["prefill.layer_done"][-1]
