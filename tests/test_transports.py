@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 import socket
 import struct
+import sys
+from pathlib import Path
 
 import pytest
 import uvloop
 
 from pdflow import transports
 from pdflow.testing.transport_conformance import CHECKS, Unsupported, harness_for, header, run_all
-from pdflow.transports import IncompatiblePeer, PeerUnreachable
+from pdflow.transports import (
+    ChecksumMismatch,
+    IncompatiblePeer,
+    OutOfBounds,
+    PeerDisconnected,
+    PeerUnreachable,
+    UnknownRegion,
+)
 
 CHECK_TIMEOUT_S = 120.0  # a check waits at most 20 s at a time; this is the backstop
 
@@ -32,9 +43,12 @@ async def test_conformance(harness, check) -> None:
         pytest.skip(str(exc))
 
 
-def test_tcp_conformance_under_uvloop() -> None:
+@pytest.mark.parametrize("name", ["tcp", "shm"])
+def test_conformance_under_uvloop(name: str) -> None:
+    if transports.availability(name) is not None:
+        pytest.skip(transports.availability(name))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        skipped = runner.run(asyncio.wait_for(run_all(harness_for("tcp")), 4 * CHECK_TIMEOUT_S))
+        skipped = runner.run(asyncio.wait_for(run_all(harness_for(name)), 4 * CHECK_TIMEOUT_S))
     assert skipped == []
 
 
@@ -49,12 +63,26 @@ def test_builtin_names_and_availability() -> None:
     assert tcp.name == "tcp" and tcp.timeout_s == 1.0
 
 
-def test_unavailable_transports_say_how_to_install() -> None:
-    assert "pip install 'pdflow[ucx]'" in transports.availability("ucx")
-    assert "python3-pyverbs" in transports.availability("verbs")
-    assert "later release" in transports.availability("shm")
-    with pytest.raises(ImportError, match=r"pdflow\[ucx\]"):
-        transports.load("ucx")
+def test_unavailable_transports_say_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("ucxx", "pyverbs", "pdflow.transports.ucx", "pdflow.transports.ucx_link",
+                   "pdflow.transports.ucx_worker", "pdflow.transports.verbs"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed (None: ImportError)
+    transports._resolve.cache_clear()
+    try:
+        assert "pip install 'pdflow[ucx]'" in transports.availability("ucx")
+        assert "python3-pyverbs" in transports.availability("verbs")
+        with pytest.raises(ImportError, match=r"pdflow\[ucx\]"):
+            transports.load("ucx")
+    finally:
+        transports._resolve.cache_clear()
+
+
+def test_verbs_says_why_it_cannot_run_here() -> None:
+    """Without pyverbs: the install hint; with pyverbs but no RDMA device: that, plainly."""
+    reason = transports.availability("verbs")
+    if reason is not None:
+        assert "python3-pyverbs" in reason
+        assert "No module named 'pyverbs'" in reason or "no RDMA device" in reason, reason
 
 
 def test_unknown_transport() -> None:
@@ -162,3 +190,169 @@ async def test_inproc_receiver_on_another_thread() -> None:
         await sender.write(receiver.address, header(1, 4, b"hello"), b"hello")
     await asyncio.to_thread(thread.join, 10)
     assert landed and landed[0].error is None and buffer[4:9] == b"hello"
+
+
+# --- ucx specifics (the conformance suite covers the rest) -------------------------------------
+
+needs_ucx = pytest.mark.skipif(transports.availability("ucx") is not None, reason=str(transports.availability("ucx")))
+
+
+@needs_ucx
+async def test_ucx_rejects_other_peers_and_addresses() -> None:
+    """A tcp receiver answering the handshake: IncompatiblePeer; nothing there: PeerUnreachable."""
+    free = socket.create_server(("127.0.0.1", 0))
+    nobody = f"ucx://127.0.0.1:{free.getsockname()[1]}"
+    free.close()
+    async with transports.create("tcp") as tcp, transports.create("ucx", timeout_s=5) as sender:
+        with pytest.raises(IncompatiblePeer, match="not a pdflow ucx endpoint"):
+            await asyncio.wait_for(sender.write(tcp.address.replace("tcp:", "ucx:"), header(1, 0, b"x"), b"x"), 10)
+        with pytest.raises(ValueError, match="not a ucx address"):
+            await sender.write(tcp.address, header(1, 0, b"x"), b"x")
+        with pytest.raises(PeerUnreachable):
+            await asyncio.wait_for(sender.write(nobody, header(1, 0, b"x"), b"x"), 10)
+
+
+@needs_ucx
+def test_ucx_conformance_under_uvloop() -> None:
+    from pdflow.testing import transport_conformance as tc
+
+    checks = (tc.check_sizes, tc.check_many_in_flight, tc.check_close_while_blocked, tc.check_sender_dies)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        for check in checks:
+            runner.run(asyncio.wait_for(check(harness_for("ucx")), CHECK_TIMEOUT_S))
+
+
+# --- shm specifics: regions from allocate(), which senders map (the suite registers its own) ---
+
+needs_shm = pytest.mark.skipif(transports.availability("shm") is not None, reason="shm is not available here")
+LOOPS = pytest.mark.parametrize(
+    "loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+
+
+def _kv_mappings() -> list[str]:
+    """The shm segments mapped into this process."""
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if "memfd:pdflow-kv-" in line]
+
+
+async def _write_and_expect(sender, receiver, chunk, data, error=None) -> None:
+    await asyncio.wait_for(sender.write(receiver.address, chunk, data), 20)
+    notice = await asyncio.wait_for(receiver.next_notice(), 20)
+    assert notice.header == chunk
+    assert isinstance(notice.error, error) if error else notice.error is None, repr(notice.error)
+
+
+async def _allocated_regions() -> None:
+    from pdflow.testing.transport_conformance import GUARD, GUARD_BYTE, SIZES
+
+    in_dev_shm = set(os.listdir("/dev/shm"))
+    async with transports.create("shm") as receiver, transports.create("shm") as sender:
+        guard = bytes([GUARD_BYTE]) * GUARD
+        views = {}
+        for region, size in enumerate(SIZES):  # 0, 1, odd, 64 MiB: in place, guards untouched
+            views[region] = view = receiver.allocate(region, size + 2 * GUARD)
+            view[:] = bytes([GUARD_BYTE]) * view.nbytes
+            data = random.randbytes(size)
+            await _write_and_expect(sender, receiver, header(region, GUARD, data), data)
+            assert view[GUARD : GUARD + size] == data and view[:GUARD] == view[GUARD + size :] == guard
+        link = sender._links[receiver.address]
+        assert all(isinstance(link.mappings.get(r), tuple) for r in range(len(SIZES))), "not mapped"
+        before = bytes(views[1])  # 1 + 2 * GUARD bytes
+        cases = [  # region, offset, payload, bad checksum, the error in the notice
+            (1, 0, b"x", True, ChecksumMismatch),
+            (1, 100, b"y" * 80, False, OutOfBounds),
+            (1, -1, b"z", False, OutOfBounds),
+            (99, 0, b"w", False, UnknownRegion),
+        ]
+        for region, offset, data, bad, error in cases:
+            await _write_and_expect(sender, receiver, header(region, offset, data, bad_checksum=bad), data, error)
+        assert views[1][1:] == before[1:], "an out-of-bounds chunk wrote into the region"
+        receiver.unregister(3)  # the sender is told to drop its mapping of the 64 MiB region
+        for _ in range(200):
+            if link.mappings.get(3) is None:
+                break
+            await asyncio.sleep(0.01)
+        assert link.mappings.get(3) is None, "the sender kept a mapping of an unregistered region"
+        again = receiver.allocate(3, 16)  # the same id, new memory: reached without a stale mapping
+        await _write_and_expect(sender, receiver, header(3, 4, b"again"), b"again")
+        assert again[4:9] == b"again"
+        del view, views, again
+    assert _kv_mappings() == [], "a segment outlived the transports and the caller's views"
+    assert set(os.listdir("/dev/shm")) == in_dev_shm
+
+
+@needs_shm
+@LOOPS
+def test_shm_allocated_regions_are_written_in_place(loop_factory) -> None:
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(asyncio.wait_for(_allocated_regions(), CHECK_TIMEOUT_S))
+
+
+@needs_shm
+async def test_shm_sender_lost_between_begin_and_end() -> None:
+    """A sender gone after BEGIN (mid-copy) gives a PeerDisconnected notice for that chunk."""
+    import msgspec
+
+    from pdflow.messages import PROTOCOL_VERSION
+    from pdflow.transports import shm_wire as wire
+
+    async with transports.create("shm") as receiver:
+        receiver.allocate(1, 4096)
+        loop, sock = asyncio.get_running_loop(), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        with sock:
+            await loop.sock_connect(sock, "\0" + receiver.address.removeprefix("shm://@"))
+            await loop.sock_sendall(sock, wire.HELLO.pack(wire.MAGIC, wire.WIRE_VERSION, PROTOCOL_VERSION))
+            assert await asyncio.wait_for(loop.sock_recv(sock, wire.HELLO.size), 10)
+            chunk, encoded = header(1, 0, b"never ends"), msgspec.msgpack.encode(header(1, 0, b"never ends"))
+            segment = receiver._segments[1].id
+            await loop.sock_sendall(sock, wire.OP.pack(wire.BEGIN, len(encoded), 1, segment) + encoded)
+        notice = await asyncio.wait_for(receiver.next_notice(), 10)
+        assert notice.header == chunk and isinstance(notice.error, PeerDisconnected), repr(notice.error)
+
+
+_RECEIVER = """
+import asyncio, sys, structlog
+from pdflow import transports
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+async def main():
+    receiver = transports.create("shm")
+    await receiver.start()
+    receiver.allocate(1, 1 << 20)
+    print(receiver.address, flush=True)
+    while True:
+        await receiver.next_notice()
+asyncio.run(main())
+"""
+
+
+@needs_shm
+async def test_shm_receiver_killed_frees_its_memory() -> None:
+    """Another process's receiver: written in place through our mapping; SIGKILLed, its memory is
+    unmapped here at once (no write needed to notice) and nothing is left in /dev/shm."""
+    in_dev_shm = set(os.listdir("/dev/shm"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _RECEIVER, stdout=asyncio.subprocess.PIPE, env=env
+    )
+    try:
+        address = (await asyncio.wait_for(child.stdout.readline(), 60)).decode().strip()
+        async with transports.create("shm") as sender:
+            data = random.randbytes(1 << 20)
+            await asyncio.wait_for(sender.write(address, header(1, 0, data), data), 20)
+            assert len(_kv_mappings()) == 1
+            child.kill()
+            await asyncio.wait_for(child.wait(), 10)
+            for _ in range(500):
+                if not _kv_mappings():
+                    break
+                await asyncio.sleep(0.01)
+            assert _kv_mappings() == [], "the dead receiver's segment is still mapped"
+            with pytest.raises((PeerDisconnected, PeerUnreachable)):
+                await asyncio.wait_for(sender.write(address, header(1, 0, data), data), 20)
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert set(os.listdir("/dev/shm")) == in_dev_shm

@@ -55,11 +55,12 @@ ENTRY_POINT_GROUP = "pdflow.transports"
 BUILTIN: dict[str, tuple[str, str]] = {
     "tcp": ("pdflow.transports.tcp:TcpTransport", ""),
     "inproc": ("pdflow.transports.inproc:InProcTransport", ""),
-    "shm": ("pdflow.transports.shm:ShmTransport", "shared-memory transport lands in a later release"),
+    "shm": ("pdflow.transports.shm:ShmTransport", "needs Linux (memfd_create, abstract Unix sockets)"),
     "ucx": ("pdflow.transports.ucx:UcxTransport", "pip install 'pdflow[ucx]'"),
     "verbs": (
         "pdflow.transports.verbs:VerbsTransport",
-        "apt-get install python3-pyverbs (needs an RDMA device)",
+        "needs an RDMA device and pyverbs: apt-get install python3-pyverbs "
+        "(a virtualenv sees it only with --system-site-packages)",
     ),
 }
 
@@ -113,5 +114,18 @@ def load(name: str) -> type[Transport]:
 
 
 def create(name: str, host: str = "127.0.0.1", port: int = 0, **options: Any) -> Transport:
-    """A new, unstarted transport ``name`` listening (once started) on ``host:port``."""
-    return load(name)(host, port, **options)
+    """A new, unstarted transport ``name`` listening (once started) on ``host:port``.
+
+    ``bandwidth`` (e.g. ``"10Gbit"``, ``"2GB"``) and ``latency`` (e.g. ``"250us"``) are taken out
+    of ``options`` for any transport: they wrap it in a
+    :class:`~pdflow.transports.shaping.ShapedTransport` that emulates such a link (ValueError
+    for a malformed value). The other options go to the transport.
+    """
+    bandwidth, latency = options.pop("bandwidth", None), options.pop("latency", None)
+    if bandwidth is None and latency is None:
+        return load(name)(host, port, **options)
+    from pdflow.transports.shaping import ShapedTransport, parse_bandwidth, parse_latency
+
+    rate = None if bandwidth is None else parse_bandwidth(bandwidth)
+    delay = 0.0 if latency is None else parse_latency(latency)
+    return ShapedTransport(load(name)(host, port, **options), rate, delay)

@@ -1,0 +1,339 @@
+"""Shared-memory transport: same-host KV chunks copied once, straight into the receiver's memory.
+
+Memory. :meth:`ShmTransport.allocate` makes each region a sealed anonymous memfd
+(:mod:`~pdflow.transports.shm_memory`: nothing in ``/dev/shm``, freed by the kernel once its last
+holder is gone, crash or not). A sender asks the receiver once for a region's memory, gets the
+descriptor over the socket, maps it and keeps the mapping (``max_mappings`` per receiver, least
+recently used dropped; all of a receiver's as soon as its connection breaks). Each write is then
+one copy from the caller's buffer into the mapping at the offset, between a BEGIN and an END
+doorbell; the receiver verifies the checksum on its own view. Regions made with :meth:`register`
+live in the receiver's private memory, which no sender can map: their chunks stream through the
+socket, as over tcp. Wire format: :mod:`~pdflow.transports.shm_wire`.
+
+Addresses. The receiver listens on an abstract Unix socket, ``shm://@<name>`` (no file; the
+kernel frees the name with the process). ``<name>`` is ``host:port`` when a port is given, else
+``host`` unless that is an IP address or localhost, else ``pdflow-<pid>-<random hex>``.
+
+Contracts beyond base.py. A write to a region the receiver lacks returns normally and the
+receiver gets an UnknownRegion notice, as over tcp (that answer is not cached). A sender lost
+between BEGIN and END, or mid-payload, gives a PeerDisconnected notice. Landing is not
+serialised with the receiver's reads: write a span again only after its previous chunk's notice.
+
+Options: ``timeout_s`` (connect + handshake, and a MAP answer; default 30), ``max_mappings``
+(default 256), ``thread_copy_bytes`` (copies this large run in a worker thread so the loop stays
+responsive; 0: never; default 16 MiB). Linux only; asyncio and uvloop. Only processes of the
+same user (or root) may connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+import msgspec
+import structlog
+
+from pdflow.messages import PROTOCOL_VERSION, KvChunkHeader
+from pdflow.transports import shm_wire as wire
+from pdflow.transports.base import (
+    ChunkNotice,
+    PeerDisconnected,
+    Transport,
+    TransportClosed,
+    TransportError,
+    UnknownRegion,
+    byte_view,
+)
+from pdflow.transports.shm_link import Link
+from pdflow.transports.shm_memory import STREAM, Segment, copy
+
+log = structlog.get_logger()
+
+_SCRATCH = 1 << 16
+_OPTIONS = {"timeout_s": 30.0, "max_mappings": 256, "thread_copy_bytes": 16 << 20}
+
+
+class ShmTransport(Transport):
+    """KV chunks through shared memory on one host; see the module docstring."""
+
+    name = "shm"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
+        unknown = set(options) - set(_OPTIONS)
+        if unknown:
+            raise TypeError(f"unknown shm transport options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        super().__init__(host, port, **options)
+        self.timeout_s = float(options.get("timeout_s", _OPTIONS["timeout_s"]))
+        self.max_mappings = int(options.get("max_mappings", _OPTIONS["max_mappings"]))
+        self.thread_copy_bytes = int(options.get("thread_copy_bytes", _OPTIONS["thread_copy_bytes"]))
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
+        self._hello = wire.HELLO.pack(wire.MAGIC, wire.WIRE_VERSION, PROTOCOL_VERSION)
+        self._links: dict[str, Link] = {}
+        self._segments: dict[int, Segment] = {}
+        self._last_segment = 0
+        self._senders: dict[socket.socket, set[int]] = {}  # connection -> regions it asked about
+        self._listener: socket.socket | None = None
+        self._address: str | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+
+    # --- regions ---------------------------------------------------------------------------
+
+    def allocate(self, region: int, nbytes: int) -> memoryview:
+        """A region in shared memory that senders map and write into directly (one copy)."""
+        if region in self._regions:
+            raise ValueError(f"region {region} is already registered")
+        if nbytes <= 0:
+            return super().allocate(region, nbytes)  # nothing to map
+        self._last_segment += 1
+        segment = Segment(nbytes, self._last_segment, f"pdflow-kv-{region}")
+        self.register(region, segment.view)
+        self._segments[region] = segment
+        return memoryview(segment.map)
+
+    def unregister(self, region: int) -> None:
+        """Also closes its segment, and tells the senders that asked for it to drop it."""
+        super().unregister(region)
+        segment = self._segments.pop(region, None)
+        if segment is not None:
+            segment.close()
+        for conn, asked in self._senders.items():
+            if region in asked:
+                asked.discard(region)
+                try:
+                    sent = conn.send(wire.OP.pack(wire.GONE, 0, region, 0))
+                except OSError:
+                    sent = 0
+                if sent < wire.OP.size:  # never wait here: drop the connection, the sender forgets all
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
+
+    # --- sending ---------------------------------------------------------------------------
+
+    async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
+        self._check_open()
+        payload = byte_view(data)
+        if payload.nbytes != header.nbytes:
+            raise ValueError(f"data has {payload.nbytes} bytes, header.nbytes is {header.nbytes}")
+        link = self._links.get(address)
+        if link is None:
+            wire.socket_name(address)  # ValueError before anything is kept for it
+            link = self._links.setdefault(address, Link(address, self.max_mappings, self.timeout_s))
+        attempts = link.attempts
+        async with link.lock:
+            try:
+                self._check_open()
+                if not link.usable():
+                    link.close()
+                    if link.failure is not None and link.attempts > attempts:
+                        # it failed while we queued: fail too rather than wait out a timeout each
+                        raise type(link.failure)(*link.failure.args)
+                    await link.connect(self._hello)
+                await self._send_chunk(link, header, payload)
+                self._check_open()  # closed mid-copy: its END may not go out, so it did not land
+            except BaseException as exc:
+                link.close()
+                if self._closed and isinstance(exc, (OSError, TransportError)):
+                    raise TransportClosed(f"shm transport closed while writing to {address}") from exc
+                if isinstance(exc, OSError):
+                    log.warning("kv.shm.conn.lost", peer=address, error=str(exc))
+                    raise PeerDisconnected(f"lost connection to {address}: {exc}") from exc
+                raise
+            finally:
+                if self._closed:
+                    link.close()
+
+    async def _send_chunk(self, link: Link, header: KvChunkHeader, payload: memoryview) -> None:
+        target = await link.target(header.region)
+        sock, encoded = link.sock, self._encoder.encode(header)
+        assert sock is not None
+
+        def op(kind: int, segment: int = 0) -> bytes:
+            return wire.OP.pack(kind, len(encoded), header.region, segment)
+
+        if target is STREAM:
+            await wire.send(sock, link.frame(op(wire.CHUNK) + encoded), payload)
+            return
+        end = header.offset + header.nbytes
+        if target is None or header.offset < 0 or end > target[1].nbytes:
+            await wire.send(sock, link.frame(op(wire.SKIP) + encoded))
+            return
+        segment, view = target
+        await wire.send(sock, link.frame(op(wire.BEGIN, segment) + encoded))
+        await copy(view[header.offset : end], payload, self.thread_copy_bytes)  # the one copy
+        link.ended()
+
+    # --- receiving -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._check_open()
+        if self._listener is not None:
+            return
+        name = wire.name_for(self.host, self.port)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind("\0" + name)
+            sock.listen(256)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._listener, self._address = sock, f"shm://@{name}"
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        log.info("kv.shm.listen", address=self._address)
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            raise TransportError("shm transport not started: call start() first")
+        return self._address
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)  # type: ignore[arg-type]
+            except OSError as exc:  # e.g. out of file descriptors: retry soon
+                log.warning("kv.shm.accept.failed", error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            task = loop.create_task(self._serve(conn))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        """One sender: handshake, then its messages until it closes."""
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        peer, inbox = f"pid {pid}", wire.Inbox(conn)
+        current: KvChunkHeader | None = None  # a chunk begun, or mid-payload
+        begun: memoryview | TransportError | None = None  # where the begun chunk lands
+        self._senders[conn] = set()
+        try:
+            if uid not in (os.getuid(), 0):
+                log.error("kv.shm.peer.rejected", peer=peer, uid=uid)
+                return
+            if not await self._handshake(conn, peer):
+                return
+            while True:
+                op = await inbox.take(wire.OP.size)
+                if op is None:
+                    if current is not None:
+                        raise PeerDisconnected("the sender closed mid-chunk")
+                    log.debug("kv.shm.conn.closed", peer=peer)
+                    return
+                kind, length, region, segment = wire.OP.unpack(op)
+                if kind == wire.MAP:
+                    self._answer(conn, region)
+                elif kind == wire.END and current is not None and begun is not None:
+                    if isinstance(begun, memoryview):
+                        notice = self._landed(current, begun)
+                    else:
+                        notice = ChunkNotice(current, begun, time.monotonic())
+                    current = begun = None
+                    self._post(notice)
+                elif kind in (wire.CHUNK, wire.BEGIN, wire.SKIP) and current is None:
+                    if length > wire.MAX_HEADER:
+                        raise PeerDisconnected(f"a header of {length} bytes")
+                    encoded = await inbox.take(length)
+                    if encoded is None:
+                        raise PeerDisconnected("the sender closed mid-header")
+                    try:
+                        current = self._decoder.decode(encoded)
+                    except msgspec.DecodeError as exc:
+                        raise PeerDisconnected(f"malformed header: {exc}") from None
+                    if current.nbytes < 0:
+                        raise PeerDisconnected(f"a header with nbytes {current.nbytes}")
+                    if kind == wire.BEGIN:
+                        begun = self._mapped_span(current, segment)
+                        continue
+                    if kind == wire.CHUNK:
+                        await self._receive_payload(inbox, current)
+                    else:
+                        self._post(ChunkNotice(current, self._skipped(current), time.monotonic()))
+                    current = None
+                else:
+                    raise PeerDisconnected(f"the sender broke the protocol (message {kind})")
+        except (OSError, PeerDisconnected) as exc:
+            log.warning("kv.shm.conn.lost", peer=peer, error=str(exc), mid_chunk=current is not None)
+            if current is not None:
+                error = PeerDisconnected(f"{peer} disconnected mid-chunk: {exc}")
+                self._post(ChunkNotice(current, error, time.monotonic()))
+        finally:
+            self._senders.pop(conn, None)
+            conn.close()
+
+    async def _handshake(self, conn: socket.socket, peer: str) -> bool:
+        hello = bytearray(wire.HELLO.size)
+        if await wire.recv_exact(conn, memoryview(hello)) < wire.HELLO.size:
+            return False
+        await asyncio.get_running_loop().sock_sendall(conn, self._hello)
+        magic, version, protocol = wire.HELLO.unpack(hello)
+        if magic != wire.MAGIC or (version, protocol) != (wire.WIRE_VERSION, PROTOCOL_VERSION):
+            log.error("kv.shm.handshake.rejected", peer=peer, magic=bytes(magic), wire=version, protocol=protocol)
+            return False
+        return True
+
+    def _answer(self, conn: socket.socket, region: int) -> None:
+        """Reply to MAP: the region's memfd, or that it is private or unknown (never waits)."""
+        segment = self._segments.get(region)
+        if segment is not None:
+            sent = socket.send_fds(conn, [wire.OP.pack(wire.MAPPED, 0, region, segment.id)], [segment.fd])
+        else:
+            sent = conn.send(wire.OP.pack(wire.PRIVATE if region in self._regions else wire.NONE, 0, region, 0))
+        if sent < wire.OP.size:
+            raise PeerDisconnected("the sender does not read its replies")
+        if region in self._regions:
+            self._senders[conn].add(region)
+
+    def _mapped_span(self, header: KvChunkHeader, segment: int) -> memoryview | TransportError:
+        span = self._landing(header)
+        found = self._segments.get(header.region)
+        if isinstance(span, memoryview) and (found is None or found.id != segment):
+            return UnknownRegion(f"region {header.region} was unregistered while landing")
+        return span
+
+    def _skipped(self, header: KvChunkHeader) -> TransportError:
+        span = self._landing(header)
+        if isinstance(span, TransportError):
+            return span
+        return UnknownRegion(f"region {header.region} was not registered when the chunk was sent")
+
+    async def _receive_payload(self, inbox: wire.Inbox, header: KvChunkHeader) -> None:
+        span = self._landing(header)
+        if isinstance(span, TransportError):  # read it into scratch space, keep the connection
+            scratch = memoryview(bytearray(min(_SCRATCH, header.nbytes)))
+            for start in range(0, header.nbytes, _SCRATCH):
+                await inbox.into(scratch[: min(_SCRATCH, header.nbytes - start)])
+            self._post(ChunkNotice(header, span, time.monotonic()))
+        else:
+            await inbox.into(span)
+            self._post(self._landed(header, span))
+
+    # --- closing ---------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._mark_closed()
+        readers = [link.reader for link in self._links.values() if link.reader is not None]
+        for link in self._links.values():
+            if link.lock.locked():
+                link.shutdown()
+            else:
+                link.close()  # after the last write's END, if the loop has not sent it yet
+        tasks = [t for t in (self._accepting, *self._serving, *readers) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        for region in list(self._segments):  # the memory goes with the last view the caller holds
+            self.unregister(region)
+        log.debug("kv.shm.closed", address=self._address)
