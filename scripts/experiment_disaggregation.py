@@ -42,6 +42,11 @@ DESIGNS = {
 _lines: list[str] = []
 
 
+def _f(value, spec: str = ".0f") -> str:
+    """A figure for a table; "-" where a cell has none (e.g. every request of it failed)."""
+    return "-" if value is None else format(value, spec)
+
+
 def say(line: str = "") -> None:
     print(line, flush=True)
     _lines.append(line)
@@ -87,8 +92,8 @@ def part_serve(opts, out: Path) -> None:
     for i, rate in enumerate(rates.split(",")):
         for design in DESIGNS:
             m = results[design]["mixed"]["runs"][i]["metrics"]
-            say(f"| {rate} | {design} | {m['ttft_ms']['p50']:.0f} | {m['ttft_ms']['p99']:.0f} | "
-                f"{m['tbt_ms']['p50']:.0f} | {m['tbt_ms']['p99']:.0f} | {m['tbt_mooncake_ms']['p99']:.0f} | "
+            say(f"| {rate} | {design} | {_f(m['ttft_ms']['p50'])} | {_f(m['ttft_ms']['p99'])} | "
+                f"{_f(m['tbt_ms']['p50'])} | {_f(m['tbt_ms']['p99'])} | {_f(m['tbt_mooncake_ms']['p99'])} | "
                 f"{m['goodput']:.3f} | {m['goodput_fraction']:.0%} |")
     say()
     say("Ratios from the same run (colocated / PD for TBT p99, PD / colocated for goodput):")
@@ -100,8 +105,12 @@ def part_serve(opts, out: Path) -> None:
         for design in ("colocated", "colocated-chunked"):
             m = results[design]["mixed"]["runs"][i]["metrics"]
             good = pd["goodput"] / m["goodput"] if m["goodput"] else float("inf")
-            say(f"| {rate} | {design} | {m['tbt_ms']['p99'] / pd['tbt_ms']['p99']:.2f}x | "
-                f"{m['tbt_mooncake_ms']['p99'] / pd['tbt_mooncake_ms']['p99']:.2f}x | {good:.2f}x |")
+
+            def ratio(key: str) -> str:
+                ours, theirs = pd[key]["p99"], m[key]["p99"]
+                return "-" if ours is None or theirs is None else f"{theirs / ours:.2f}x"
+
+            say(f"| {rate} | {design} | {ratio('tbt_ms')} | {ratio('tbt_mooncake_ms')} | {good:.2f}x |")
     say()
     say(f"Scaled conversation trace (token scale 0.02, time scale {opts.trace_time_scale}, first "
         f"{opts.trace_limit} requests):")
@@ -110,8 +119,8 @@ def part_serve(opts, out: Path) -> None:
     say("|---|---:|---:|---:|---:|---:|---:|")
     for design in DESIGNS:
         m = results[design]["trace"]["runs"][0]["metrics"]
-        say(f"| {design} | {m['ttft_ms']['p50']:.0f} | {m['ttft_ms']['p99']:.0f} | {m['tbt_ms']['p99']:.0f} | "
-            f"{m['tbt_mooncake_ms']['p99']:.0f} | {m['goodput']:.3f} | {m['goodput_fraction']:.0%} |")
+        say(f"| {design} | {_f(m['ttft_ms']['p50'])} | {_f(m['ttft_ms']['p99'])} | {_f(m['tbt_ms']['p99'])} | "
+            f"{_f(m['tbt_mooncake_ms']['p99'])} | {m['goodput']:.3f} | {m['goodput_fraction']:.0%} |")
 
 
 # --- 2. KV tail ----------------------------------------------------------------------------------
