@@ -340,5 +340,9 @@ def _links(r: TableReader, value: Any) -> tuple[LinkConfig, ...]:
         options = t.get("options", {})
         if not isinstance(options, dict):
             raise r.error(f"{key}.options", f"expected a table, got {describe(options)}")
+        from pdflow.transports.shaping import check_link_options
+
+        if problem := check_link_options(options):
+            raise r.error(f"{key}.options", problem)
         found[(src, dst)], seen_at[(src, dst)] = LinkConfig(src, dst, transport, options), key
     return tuple(found.get(pair) or LinkConfig(*pair) for pair in LINK_PAIRS)

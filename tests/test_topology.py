@@ -230,3 +230,12 @@ def test_uses_the_model_list(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse("[model]", 'source = "qwen3"').model.served_name == "qwen3"
     with pytest.raises(TopologyError, match="expected one of qwen3, smollm2"):
         parse("[model]", 'source = "zzz"')
+
+
+def test_link_emulation_options_are_checked() -> None:
+    link = ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"']
+    ok = parse(*link, 'options = { bandwidth = "25Gbit", latency = "250us" }')
+    assert ok.link("prefill", "kv_shuttle").options == {"bandwidth": "25Gbit", "latency": "250us"}
+    with pytest.raises(TopologyError, match="bandwidth") as bad:
+        parse(*link, 'options = { bandwidth = "fast" }')
+    assert bad.value.key == "links[0].options" and bad.value.line == 4
