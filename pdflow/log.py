@@ -8,6 +8,21 @@ import sys
 import structlog
 
 
+class _StderrLogger:
+    """Writes each line to whatever ``sys.stderr`` is at that moment (a logger that kept the
+    stream of configure time would write to a closed file once a test harness swapped it)."""
+
+    def msg(self, message: str) -> None:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = failure = err = msg
+
+
+def _stderr_logger(*_args) -> _StderrLogger:
+    return _StderrLogger()
+
+
 def configure_logging(fmt: str = "console", level: str = "info", **context) -> None:
     """Configure structlog for this process; ``context`` (e.g. stage, replica) is on every line."""
     renderer = (
@@ -26,7 +41,7 @@ def configure_logging(fmt: str = "console", level: str = "info", **context) -> N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()

@@ -228,14 +228,11 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     lows, highs = zip(*REFERENCE["rows"][MOONCAKE])
     ax.vlines(REFERENCE_SIZES, lows, highs, colors="0.6", linewidth=6, alpha=0.6,
               label="Mooncake-tcp (reference, not this run)")
-    for c in doc["cells"]:
-        if c["workload"].startswith("kv") and not c["baseline"]:
-            ax.annotate(c["workload"].removeprefix("kv "), (c["chunk_bytes"], c["gbps"]),
-                        textcoords="offset points", xytext=(4, 4), fontsize=7, color="0.35")
     ax.set_xscale("log", base=2)
+    kv = {w["chunk_bytes"]: w["name"].removeprefix("kv ") for w in doc["workloads"] if w["tokens"]}
     sizes = sorted({c["chunk_bytes"] for c in doc["cells"]} | set(REFERENCE_SIZES))
-    ax.set_xticks(sizes, [size_label(s) for s in sizes], rotation=30, fontsize=8)
-    ax.set_xlabel("chunk size (KV chunks labelled by prompt tokens)")
+    ax.set_xticks(sizes, [size_label(s) + (f"\n{kv[s]}" if s in kv else "") for s in sizes], fontsize=8)
+    ax.set_xlabel("chunk size (under it: the prompt length whose per-layer KV chunk it is)")
     ax.set_ylabel("GB/s (10^9 bytes/s)")
     link = doc["settings"]["link"]
     shaped = f", link {', '.join(link.values())}" if link else ""
