@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from pdflow import transports
-from pdflow.bench.transfer import _count
+from pdflow.bench.transfer import _count, rotated
 from pdflow.bench.transfer_cells import Budget, workloads
 from pdflow.cli import main
 
 TINY = ["--transports", "tcp", "--kv-tokens", "8,32", "--raw-sizes", "4KiB,64KiB", "--round-bytes", "256KiB",
-        "--repeat", "1", "--seconds", "0.5"]  # fmt: skip
+        "--repeat", "1", "--seconds", "0.5", "--passes", "2"]  # fmt: skip
 
 
 def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -27,7 +27,7 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cells = {(c["path"], c["workload"]): c for c in doc["cells"]}
     assert set(cells) == {(p, w) for p in ("memcpy", "socket", "tcp") for w in names}
     for cell in cells.values():
-        assert cell["gbps"] > 0 and cell["rounds"] == 1 and not cell["errors"], cell
+        assert cell["gbps"] > 0 and cell["rounds"] == 2 and not cell["errors"], cell  # one per pass
         assert cell["latency_s"]["p99"] >= cell["latency_s"]["median"] > 0
         assert cell["ratio"]["memcpy"] > 0 and cell["ratio"]["socket"] > 0
     assert cells[("socket", "raw 4 KiB")]["ratio"]["socket"] == 1.0
@@ -36,6 +36,7 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ahead = doc["ahead_of_mooncake"]["tcp"]  # only 64 KiB of the reference sizes was run
     assert isinstance(ahead[0], bool) and ahead[1:] == [None, None]
     printed = capsys.readouterr().out
+    assert doc["settings"]["passes"] == 2 and "--passes 2" in doc["command"]
     for fragment in ("x memcpy", "x socket", "Orientation (measured beforehand", "Mooncake transfer engine",
                      "pdflow tcp (this run)", "Targets:", "ucx >= 0.9x", "repeat with: pdflow bench transfer"):
         assert fragment in printed, fragment
@@ -45,7 +46,7 @@ def test_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_shaped_link_holds_the_transport_back(tmp_path: Path) -> None:
     out_json = tmp_path / "shaped.json"
     args = ["--transports", "tcp", "--kv-tokens", "", "--raw-sizes", "64KiB", "--round-bytes", "2MiB",
-            "--repeat", "1", "--link-bandwidth", "400Mbit", "--link-latency", "2ms", "--json", str(out_json)]
+            "--repeat", "1", "--passes", "1", "--link-bandwidth", "400Mbit", "--link-latency", "2ms", "--json", str(out_json)]
     assert main(["bench", "transfer", *args]) == 0
     doc = json.loads(out_json.read_text())
     tcp = next(c for c in doc["cells"] if c["path"] == "tcp")
@@ -59,7 +60,8 @@ def test_ucx_beside_its_raw_floor(tmp_path: Path) -> None:
     if (reason := transports.availability("ucx")) is not None:
         pytest.skip(reason)
     out_json = tmp_path / "ucx.json"
-    args = ["--transports", "ucx", "--kv-tokens", "8", "--raw-sizes", "", "--repeat", "1", "--json", str(out_json)]
+    args = ["--transports", "ucx", "--kv-tokens", "8", "--raw-sizes", "", "--repeat", "1", "--passes", "1",
+            "--json", str(out_json)]
     assert main(["bench", "transfer", *args]) == 0
     doc = json.loads(out_json.read_text())
     assert [c["path"] for c in doc["cells"]] == ["memcpy", "socket", "ucx-raw", "ucx"]
@@ -81,3 +83,6 @@ def test_options() -> None:
     assert (kv.name, kv.chunk_bytes, len(kv.spans)) == ("kv 512 tok", 512 * 3 * 64 * 4, 60)
     assert kv.round_bytes == kv.region_bytes == 60 * 512 * 3 * 64 * 4
     assert [measured for measured in Budget(repeat=3, seconds=60).rounds()] == [False, True, True, True]
+    assert Budget(repeat=5, seconds=3).split(3) == Budget(repeat=2, seconds=1)
+    assert [rotated(("a", "b", "c"), turn) for turn in range(4)] == [
+        ("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"), ("a", "b", "c")]

@@ -21,6 +21,10 @@ runs from its ``write()`` call to the moment the receiver's ``next_notice()`` ha
 ``time.monotonic()`` (one clock for all processes on a host); writes go one after another, so it
 includes waiting behind earlier chunks in the transport's buffers. For memcpy it is one copy.
 The first round of every cell is a warm-up (connections, page faults) and is not counted.
+
+Rounds are interleaved: each workload runs every path ``--passes`` times in turn, the order
+rotated each pass, and a cell's median is over the rounds of all its passes. Baselines and
+transports so see the same machine: a burst of other work lowers all of them, not one.
 """
 
 from __future__ import annotations
@@ -64,8 +68,10 @@ Workloads: one request's KV cache of SmolLM2 (30 layers x keys and values, 3 KV 
 are awaited one after another, as prefill sends layers. GB/s = 10^9 bytes/s from the first
 write() call to the last notice, median of the measured rounds; latency = from a chunk's write()
 call to the receiver's notice of it (time.monotonic in both processes). The first round of each
-cell is a warm-up. A reference table measured beforehand (Mooncake, NIXL) is printed for
-orientation, and the targets as PASS/MISS lines. Progress goes to stderr, the report to stdout.
+cell is a warm-up. Paths take turns: every workload runs all paths --passes times, in rotating
+order, so baselines and transports share the same machine conditions. A reference table
+measured beforehand (Mooncake, NIXL) is printed for orientation, and the targets as PASS/MISS
+lines. Progress goes to stderr, the report to stdout.
 
 examples:
   pdflow bench transfer                               every usable transport, default sizes
@@ -116,39 +122,53 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict[str, Any]:
     names, skipped = pick_transports(args.transports)
     link = {k: v for k, v in (("bandwidth", args.link_bandwidth), ("latency", args.link_latency)) if v}
     budget = Budget(args.repeat, args.seconds)
+    per_pass = budget.split(args.passes)
     host = machine()
     chosen = workloads(tuple(args.kv_tokens), tuple(args.raw_sizes), args.round_bytes)
     baselines = ("memcpy", "socket", *(["ucx-raw"] if "ucx" in names else []))
-    total, done = len(chosen) * (len(baselines) + len(names)), 0
-    cells: list[Cell] = []
+    paths = (*baselines, *names)
+    total, done = len(chosen) * len(paths) * args.passes, 0
+    cells: dict[tuple[str, str], Cell] = {}
     receiver = Receiver()
     try:
         for workload in chosen:
             source = Source.of(workload)
-            for path in (*baselines, *names):
-                started = time.monotonic()
-                if path == "memcpy":
-                    cell = memcpy_cell(workload, source, budget)
-                elif path == "socket":
-                    cell = socket_cell(receiver, workload, source, budget)
-                elif path == "ucx-raw":
-                    cell = uvloop.run(ucx_raw_cell(receiver, workload, source, budget))
-                else:
-                    cell = uvloop.run(transport_cell(receiver, path, link, workload, source, budget))
-                cell.seconds = time.monotonic() - started
-                cells.append(cell)
-                done += 1
-                progress.write(f"[{done:>2}/{total}] {transfer_report.progress_line(cell)}\n")
-                progress.flush()
+            for turn in range(args.passes):
+                for path in rotated(paths, turn):
+                    started = time.monotonic()
+                    if path == "memcpy":
+                        cell = memcpy_cell(workload, source, per_pass)
+                    elif path == "socket":
+                        cell = socket_cell(receiver, workload, source, per_pass)
+                    elif path == "ucx-raw":
+                        cell = uvloop.run(ucx_raw_cell(receiver, workload, source, per_pass))
+                    else:
+                        cell = uvloop.run(transport_cell(receiver, path, link, workload, source, per_pass))
+                    cell.seconds = time.monotonic() - started
+                    merged = cells.setdefault((workload.name, path), cell)
+                    if merged is not cell:
+                        merged.merge(cell)
+                    done += 1
+                    progress.write(f"[{done:>3}/{total}] pass {turn + 1}: {transfer_report.progress_line(cell)}\n")
+                    progress.flush()
     finally:
         receiver.close()
     host["load_after"] = list(os.getloadavg())
-    return transfer_report.results(cells, names, skipped, link, budget, host, command_line(args))
+    return transfer_report.results(list(cells.values()), names, skipped, link, budget, args.passes, host,
+                                   command_line(args))
+
+
+def rotated(paths: tuple[str, ...], turn: int) -> tuple[str, ...]:
+    """``paths`` starting at a different one each pass, so that no path always runs right after
+    the same neighbour (a slow one leaves caches and frequency behind)."""
+    k = turn % len(paths)
+    return paths[k:] + paths[:k]
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The command that repeats this run (outputs left out)."""
-    words = ["pdflow", "bench", "transfer", "--repeat", str(args.repeat), "--seconds", f"{args.seconds:g}"]
+    words = ["pdflow", "bench", "transfer", "--repeat", str(args.repeat), "--seconds", f"{args.seconds:g}",
+             "--passes", str(args.passes)]
     if args.transports:
         words += ["--transports", ",".join(args.transports)]
     if tuple(args.kv_tokens) != DEFAULT_TOKENS:
@@ -208,7 +228,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measured rounds per cell at most, after one warm-up round (default: 5)")
     parser.add_argument("--seconds", type=float, default=3.0, metavar="S",
                         help="time budget per cell: no new round starts after S seconds; at least "
-                        "one round is measured (default: 3)")
+                        "one round per pass is measured (default: 3)")
+    parser.add_argument("--passes", type=int, default=3, metavar="P",
+                        help="interleave: each workload runs every path P times in turn (rotating "
+                        "the order), each time with 1/P of the rounds and seconds after its own "
+                        "warm-up, so that baselines and transports share the machine's moods (default: 3)")
     parser.add_argument("--kv-tokens", type=_counts, default=list(DEFAULT_TOKENS), metavar="LIST",
                         help="prompt lengths of the KV workloads, e.g. 512,2K,8K (the default; K = 1024)")
     parser.add_argument("--raw-sizes", type=_counts, default=list(DEFAULT_RAW), metavar="LIST",
@@ -230,8 +254,8 @@ def main(args: argparse.Namespace) -> int:
     """Run, print the report to stdout, write --json and --plot; 0 unless something failed."""
     from pdflow.log import configure_logging
 
-    if args.repeat < 1 or args.seconds <= 0:
-        raise SystemExit("error: --repeat must be >= 1 and --seconds > 0")
+    if args.repeat < 1 or args.seconds <= 0 or args.passes < 1:
+        raise SystemExit("error: --repeat and --passes must be >= 1 and --seconds > 0")
     if args.plot is not None and not transfer_report.can_plot():
         raise SystemExit("error: --plot needs matplotlib: pip install 'pdflow[bench]'")
     configure_logging("console", "warning", stage="bench")

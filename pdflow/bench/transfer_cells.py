@@ -80,6 +80,13 @@ class Cell:
         self.latencies += [t - by_offset[offset] for offset, t in landed]
         self.gbps_rounds.append(self.workload.round_bytes / (max(t for _, t in landed) - started[0]) / 1e9)
 
+    def merge(self, other: Cell) -> None:
+        """Take in the rounds of another pass of the same path and workload."""
+        self.gbps_rounds += other.gbps_rounds
+        self.latencies += other.latencies
+        self.errors += other.errors
+        self.seconds += other.seconds
+
     @property
     def gbps(self) -> float:
         return statistics.median(self.gbps_rounds)
@@ -104,6 +111,10 @@ class Cell:
 class Budget:
     repeat: int
     seconds: float
+
+    def split(self, passes: int) -> Budget:
+        """The budget of one of ``passes`` interleaved passes: its share of rounds and seconds."""
+        return Budget(-(-self.repeat // passes), self.seconds / passes)
 
     def rounds(self) -> Iterator[bool]:
         """False for the warm-up round, then True for each measured one: ``repeat`` of them at

@@ -58,13 +58,13 @@ def progress_line(cell: Cell) -> str:
 
 
 def results(cells: list[Cell], names: list[str], skipped: dict[str, str], link: dict[str, str],
-            budget: Budget, machine: dict[str, Any], command: str) -> dict[str, Any]:  # fmt: skip
+            budget: Budget, passes: int, machine: dict[str, Any], command: str) -> dict[str, Any]:  # fmt: skip
     by = {(c.path, c.workload.name): c for c in cells}
     workloads = list(dict.fromkeys(c.workload for c in cells))
     doc: dict[str, Any] = {
         "command": command,
         "machine": machine,
-        "settings": {"repeat": budget.repeat, "seconds": budget.seconds, "link": link or None,
+        "settings": {"repeat": budget.repeat, "seconds": budget.seconds, "passes": passes, "link": link or None,
                      "transports": names, "not_run": skipped},
         "workloads": [{"name": w.name, "tokens": w.tokens, "chunk_bytes": w.chunk_bytes, "chunks": len(w.spans),
                        "round_bytes": w.round_bytes} for w in workloads],
@@ -157,10 +157,12 @@ def render(doc: dict[str, Any]) -> str:
                    + ", ".join(f"{k} {v}" for k, v in settings["link"].items()))
     for name, why in settings["not_run"].items():
         out.append(f"not run: {name}: {why}")
-    out += ["", "GB/s = 10^9 bytes/s, median of the measured rounds; ratios to the memcpy and socket baselines",
-            "of the same workload in this run; latency = write() call -> receiver's notice, per chunk.", ""]
-    header = (f"{'workload':<13} {'chunk':>9}  {'path':<7} {'GB/s':>7} {'x memcpy':>9} {'x socket':>9} "
-              f"{'p50':>10} {'p99':>10}")
+    out += ["", f"GB/s = 10^9 bytes/s, median of the measured rounds (range: slowest-fastest round) of "
+            f"{settings['passes']} interleaved passes;",
+            "ratios to the memcpy and socket baselines of the same workload in this run;",
+            "latency = write() call -> receiver's notice, per chunk.", ""]
+    header = (f"{'workload':<13} {'chunk':>9}  {'path':<7} {'GB/s':>7} {'range':>11} {'x memcpy':>9} "
+              f"{'x socket':>9} {'p50':>10} {'p99':>10}")
     out += [header, "-" * len(header)]
     for w in doc["workloads"]:
         for i, c in enumerate(c for c in doc["cells"] if c["workload"] == w["name"]):
@@ -169,7 +171,8 @@ def render(doc: dict[str, Any]) -> str:
             if "ucx-raw" in c["ratio"]:
                 errors = f"  ({c['ratio']['ucx-raw']:.2f}x ucx-raw){errors}"
             ratio, latency = c["ratio"], c["latency_s"]
-            figures = f"{c['gbps']:7.2f} {ratio['memcpy']:9.2f} {ratio['socket']:9.2f}"
+            spread = f"{min(c['gbps_rounds']):.2f}-{max(c['gbps_rounds']):.2f}"
+            figures = f"{c['gbps']:7.2f} {spread:>11} {ratio['memcpy']:9.2f} {ratio['socket']:9.2f}"
             out.append(f"{first}  {c['path']:<7} {figures} {fmt_time(latency['median']):>10} "
                        f"{fmt_time(latency['p99']):>10}{errors}")
     out += ["", *_orientation(doc), "", "Targets:"]
