@@ -127,8 +127,6 @@ def _validate(args) -> int:
 
 
 def _run(args) -> int:
-    import asyncio
-
     import uvloop
 
     from pdflow.launcher import Launcher

@@ -11,8 +11,11 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 
+# PDFLOW_EXTRAS: the extras to install with pdflow (scripts/test.sh adds ucx, so that the ucx
+# transport's tests run rather than skip).
+extras=${PDFLOW_EXTRAS:-test}
 stamp=.venv/.pdflow-installed
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$( (cat pyproject.toml scripts/setup.sh; echo "$extras") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "pdflow setup: installing dependencies into .venv" >&2
   .venv/bin/python -m pip install --quiet --upgrade pip
@@ -25,7 +28,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     fi
     .venv/bin/python -m pip install --quiet "$torch_spec"
   fi
-  .venv/bin/python -m pip install --quiet -e '.[test]'
+  .venv/bin/python -m pip install --quiet -e ".[$extras]"
   echo "$want" > "$stamp"
 fi
 

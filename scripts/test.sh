@@ -2,5 +2,6 @@
 # Set up (idempotent) and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+# The test extras, plus ucx (ucxx, about 220 MB, no GPU needed) so that its transport is tested.
+PDFLOW_EXTRAS=${PDFLOW_EXTRAS:-test,ucx} scripts/setup.sh
 exec .venv/bin/python -m pytest "$@"

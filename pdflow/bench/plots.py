@@ -102,6 +102,35 @@ def plot_goodput(runs: list[dict], path: Path) -> Path:
     return path
 
 
+def plot_compare(series: dict[str, list[dict]], path: Path) -> Path:
+    """Designs side by side over a sweep of rates: goodput, Mooncake TBT p99 and TTFT p99, a line
+    per design (``series`` maps a design's name to its runs, one per rate)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
+    panels = [("goodput (requests/s meeting both SLOs)", lambda m: m["goodput"]),
+              ("TBT p99, Mooncake's definition (ms, log)", lambda m: m["tbt_mooncake_ms"]["p99"]),
+              ("TTFT p99 (ms, log)", lambda m: m["ttft_ms"]["p99"])]
+    for ax, (title, value) in zip(axes, panels):
+        for name, runs in series.items():
+            points = [(run["request_rate"], value(run["metrics"])) for run in runs]
+            points = [(x, y) for x, y in points if isinstance(x, (int, float)) and y is not None]
+            ax.plot([x for x, _ in points], [y for _, y in points], "o-", label=name)
+        if "log" in title:
+            ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("request rate (requests/s)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    m = next(iter(series.values()))[0]["metrics"]
+    slo = ", ".join(f"{name} {m[key]:g} ms" for name, key in (("TTFT", "slo_ttft_ms"), ("TBT", "slo_tbt_ms"))
+                    if m[key] is not None) or "none set"
+    fig.suptitle(f"Designs compared at equal request rates (SLO: {slo})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_all(runs: list[dict], directory: Path) -> list[Path]:
     """Every plot for ``runs`` into ``directory``; goodput vs rate only for a sweep of rates."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pdflow.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from pdflow.engine.decode import Sequence
+    from pdflow.engine.loader import LoadedModel
 
 
 def finish_reason(
@@ -19,3 +25,12 @@ def finish_reason(
     if generated >= params.max_tokens or total_len >= max_context:
         return "length"
     return None
+
+
+def after_decode_step(seq: Sequence, token: int, model: LoadedModel, now: float) -> str | None:
+    """Decode just gave ``seq`` its newest ``token`` at ``now``: note the step's time in its
+    timeline (``seq.extra["steps"]``) and say why it is finished, if it is (decode and the
+    colocated worker alike)."""
+    seq.extra["steps"].append(now)
+    return finish_reason(token, seq.generated, seq.length + 1, seq.sampler.params, model.eos_token_ids,
+                         model.max_context)

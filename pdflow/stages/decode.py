@@ -16,7 +16,7 @@ import torch
 
 from pdflow import transports
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
-from pdflow.engine.stopping import finish_reason
+from pdflow.engine.stopping import after_decode_step
 from pdflow.messages import (
     Cancel,
     DecodeRequest,
@@ -192,14 +192,11 @@ class DecodeStage(Stage):
             await self._emit(results)
 
     async def _emit(self, results: list[tuple[Sequence, int]]) -> None:
-        model = self.model
         now = time.monotonic()
         for seq, token in results:
             if seq.request_id not in self.running or seq.request_id in self.to_remove:
                 continue
-            seq.extra["steps"].append(now)
-            params = seq.sampler.params
-            reason = finish_reason(token, seq.generated, seq.length + 1, params, model.eos_token_ids, model.max_context)
+            reason = after_decode_step(seq, token, self.model, now)
             entry: _Incoming = seq.extra["entry"]
             timeline = {}
             if reason is not None:

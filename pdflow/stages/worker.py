@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.chunked import ChunkedPrefill
-from pdflow.engine.stopping import finish_reason
+from pdflow.engine.stopping import after_decode_step, finish_reason
 from pdflow.messages import Cancel, PrefillRequest, StopRequest, Tokens
 from pdflow.stage import Stage
 
@@ -125,15 +125,12 @@ class WorkerStage(Stage):
             await self._emit(results)
 
     async def _emit(self, results: list[tuple[Sequence, int]]) -> None:
-        model = self.model
         now = time.monotonic()
         for seq, token in results:
             if seq.request_id not in self.running or seq.request_id in self.gone:
                 continue
-            seq.extra["steps"].append(now)
             request: PrefillRequest = seq.extra["request"]
-            reason = finish_reason(token, seq.generated, seq.length + 1, seq.sampler.params,
-                                   model.eos_token_ids, model.max_context)
+            reason = after_decode_step(seq, token, self.model, now)
             timeline = {}
             if reason is not None:
                 self.gone.add(seq.request_id)

@@ -40,9 +40,7 @@ def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str 
                   chunked_prefill_tokens: int = 0, kv_streaming: str = "layer",
                   link_options: dict | None = None, request_timeout_s: float = 120) -> str:
     """A topology on ports ``base`` .. ``base + 9``; ``link_options`` go on the prefill -> kv_shuttle link."""
-    if mode == "colocated":
-        return _colocated_text(base, extra, chunked_prefill_tokens, request_timeout_s)
-    return f"""
+    common = f"""
 [model]
 source = "smollm2"
 
@@ -58,11 +56,26 @@ ready_timeout_s = 240
 heartbeat_timeout_s = 10
 request_timeout_s = {request_timeout_s}
 
+[stages.ingress]
+port = {base + 3}
+[stages.egress]
+port = {base + 7}
+"""
+    if mode == "colocated":
+        return common + f"""
+[engine]
+mode = "colocated"
+chunked_prefill_tokens = {chunked_prefill_tokens}
+
+[stages.worker]
+port = {base + 4}
+cores = [0, 1]
+{extra}
+"""
+    return common + f"""
 [engine]
 kv_streaming = "{kv_streaming}"
 
-[stages.ingress]
-port = {base + 3}
 [stages.prefill]
 port = {base + 4}
 cores = [0]
@@ -73,8 +86,6 @@ data_port = {base + 8}
 port = {base + 6}
 data_port = {base + 9}
 cores = [1]
-[stages.egress]
-port = {base + 7}
 
 [[links]]
 src = "prefill"
@@ -86,38 +97,6 @@ options = {_inline(link_options)}
 src = "kv_shuttle"
 dst = "decode"
 transport = "{transport}"
-{extra}
-"""
-
-
-def _colocated_text(base: int, extra: str, chunked_prefill_tokens: int, request_timeout_s: float) -> str:
-    return f"""
-[model]
-source = "smollm2"
-
-[server]
-port = {base}
-
-[control]
-port = {base + 1}
-
-[limits]
-max_batch = 32
-ready_timeout_s = 240
-heartbeat_timeout_s = 10
-request_timeout_s = {request_timeout_s}
-
-[engine]
-mode = "colocated"
-chunked_prefill_tokens = {chunked_prefill_tokens}
-
-[stages.ingress]
-port = {base + 3}
-[stages.worker]
-port = {base + 4}
-cores = [0, 1]
-[stages.egress]
-port = {base + 7}
 {extra}
 """
 

@@ -51,6 +51,7 @@ from pdflow.transports.base import (
 )
 from pdflow.transports.shm_link import Link
 from pdflow.transports.shm_memory import STREAM, Segment, copy
+from pdflow.transports.sockets import Acceptor, listen_abstract_unix, recv_exact
 
 log = structlog.get_logger()
 
@@ -78,10 +79,8 @@ class ShmTransport(Transport):
         self._segments: dict[int, Segment] = {}
         self._last_segment = 0
         self._senders: dict[socket.socket, set[int]] = {}  # connection -> regions it asked about
-        self._listener: socket.socket | None = None
         self._address: str | None = None
-        self._accepting: asyncio.Task[None] | None = None
-        self._serving: set[asyncio.Task[None]] = set()
+        self._acceptor: Acceptor | None = None
 
     # --- regions ---------------------------------------------------------------------------
 
@@ -173,19 +172,12 @@ class ShmTransport(Transport):
 
     async def start(self) -> None:
         self._check_open()
-        if self._listener is not None:
+        if self._acceptor is not None:
             return
         name = wire.name_for(self.host, self.port)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind("\0" + name)
-            sock.listen(256)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        self._listener, self._address = sock, f"shm://@{name}"
-        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        listener = listen_abstract_unix(name)
+        self._address = f"shm://@{name}"
+        self._acceptor = Acceptor(listener, self._serve)
         log.info("kv.shm.listen", address=self._address)
 
     @property
@@ -194,22 +186,9 @@ class ShmTransport(Transport):
             raise TransportError("shm transport not started: call start() first")
         return self._address
 
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(self._listener)  # type: ignore[arg-type]
-            except OSError as exc:  # e.g. out of file descriptors: retry soon
-                log.warning("kv.shm.accept.failed", error=str(exc))
-                await asyncio.sleep(0.1)
-                continue
-            conn.setblocking(False)
-            task = loop.create_task(self._serve(conn))
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
-
-    async def _serve(self, conn: socket.socket) -> None:
+    async def _serve(self, conn: socket.socket, _: Any) -> None:
         """One sender: handshake, then its messages until it closes."""
+        conn.setblocking(False)
         pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         peer, inbox = f"pid {pid}", wire.Inbox(conn)
         current: KvChunkHeader | None = None  # a chunk begun, or mid-payload
@@ -271,7 +250,7 @@ class ShmTransport(Transport):
 
     async def _handshake(self, conn: socket.socket, peer: str) -> bool:
         hello = bytearray(wire.HELLO.size)
-        if await wire.recv_exact(conn, memoryview(hello)) < wire.HELLO.size:
+        if await recv_exact(conn, memoryview(hello)) < wire.HELLO.size:
             return False
         await asyncio.get_running_loop().sock_sendall(conn, self._hello)
         magic, version, protocol = wire.HELLO.unpack(hello)
@@ -328,12 +307,12 @@ class ShmTransport(Transport):
                 link.shutdown()
             else:
                 link.close()  # after the last write's END, if the loop has not sent it yet
-        tasks = [t for t in (self._accepting, *self._serving, *readers) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
+        if self._acceptor is not None:
+            await self._acceptor.aclose(*readers)
+        else:
+            for task in readers:
+                task.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
         for region in list(self._segments):  # the memory goes with the last view the caller holds
             self.unregister(region)
         log.debug("kv.shm.closed", address=self._address)

@@ -32,10 +32,10 @@ from pdflow.transports.shm_wire import (
     OP,
     PRIVATE,
     WIRE_VERSION,
-    recv_exact,
     send,
     socket_name,
 )
+from pdflow.transports.sockets import recv_exact
 
 log = structlog.get_logger()
 

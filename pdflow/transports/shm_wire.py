@@ -55,17 +55,6 @@ def name_for(host: str | None, port: int | None) -> str:
     return host if host and host != "localhost" else f"pdflow-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-async def recv_exact(sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view`` from ``sock``; fewer bytes than asked only when the peer closed."""
-    loop, got = asyncio.get_running_loop(), 0
-    while got < view.nbytes:
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            break
-        got += n
-    return got
-
-
 async def send(sock: socket.socket, head: bytes, payload: memoryview | None = None) -> None:
     """``head`` then ``payload``, gathered by the kernel from both buffers (no joining)."""
     try:

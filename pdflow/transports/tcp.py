@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import socket
 import struct
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec
 import structlog
@@ -42,6 +40,14 @@ from pdflow.transports.base import (
     TransportError,
     byte_view,
 )
+from pdflow.transports.sockets import (
+    Acceptor,
+    address_of,
+    listen_inet,
+    recv_exact,
+    resolve,
+    split_address,
+)
 
 log = structlog.get_logger()
 
@@ -52,34 +58,6 @@ FRAME = struct.Struct("!4sHI")  # magic, wire version, header length; then heade
 _MAX_HEADER = 1 << 16
 _SCRATCH = 1 << 16
 _OPTIONS = {"timeout_s": 30.0, "buffer_bytes": 0}
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``tcp://host:port`` -> (host, port); ValueError for anything else."""
-    parts = urlsplit(address)
-    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
-        raise ValueError(f"not a tcp address: {address!r} (expected tcp://host:port)")
-    return parts.hostname, parts.port
-
-
-async def _recv_exact(sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view`` from ``sock``; fewer bytes than asked only when the peer closed."""
-    loop, got, want = asyncio.get_running_loop(), 0, view.nbytes
-    while got < want:
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-async def _resolve(host: str, port: int) -> tuple[int, Any]:
-    try:  # numeric addresses need no resolver thread
-        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-        return family, (host, port)
-    except ValueError:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        return infos[0][0], infos[0][4]
 
 
 class _Link:
@@ -137,10 +115,8 @@ class TcpTransport(Transport):
         self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
         self._hello = HELLO.pack(MAGIC, WIRE_VERSION, PROTOCOL_VERSION)
         self._links: dict[str, _Link] = {}
-        self._listener: socket.socket | None = None
         self._address: str | None = None
-        self._accepting: asyncio.Task[None] | None = None
-        self._serving: set[asyncio.Task[None]] = set()
+        self._acceptor: Acceptor | None = None
 
     def _tune(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -160,7 +136,7 @@ class TcpTransport(Transport):
         head = FRAME.pack(MAGIC, WIRE_VERSION, len(encoded)) + encoded
         link = self._links.get(address)
         if link is None:
-            split_address(address)  # ValueError before anything is kept for it
+            split_address(address, "tcp")  # ValueError before anything is kept for it
             link = self._links.setdefault(address, _Link())
         attempts = link.attempts
         async with link.lock:
@@ -187,13 +163,13 @@ class TcpTransport(Transport):
 
     async def _connect(self, address: str, link: _Link) -> None:
         """Connect and handshake (within ``timeout_s``); sets ``link.sock``."""
-        host, port = split_address(address)
+        host, port = split_address(address, "tcp")
         loop = asyncio.get_running_loop()
         link.attempts += 1
         link.failure = None
         try:
             async with asyncio.timeout(self.timeout_s):
-                family, sockaddr = await _resolve(host, port)
+                family, sockaddr = await resolve(host, port)
                 link.sock = sock = socket.socket(family, socket.SOCK_STREAM)
                 self._tune(sock)
                 if hasattr(socket, "TCP_USER_TIMEOUT"):  # a peer that stops acking: fail, don't hang
@@ -201,7 +177,7 @@ class TcpTransport(Transport):
                 await loop.sock_connect(sock, sockaddr)
                 await loop.sock_sendall(sock, self._hello)
                 reply = bytearray(HELLO.size)
-                got = await _recv_exact(sock, memoryview(reply))
+                got = await recv_exact(sock, memoryview(reply))
         except (OSError, TimeoutError) as exc:
             reason = str(exc) or f"no answer within {self.timeout_s} s"
             raise link.fail(PeerUnreachable(f"cannot connect to {address}: {reason}")) from exc
@@ -233,24 +209,11 @@ class TcpTransport(Transport):
 
     async def start(self) -> None:
         self._check_open()
-        if self._listener is not None:
+        if self._acceptor is not None:
             return
-        info = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
-        sock, sockaddr = socket.socket(info[0], info[1], info[2]), info[4]
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if self.buffer_bytes:  # accepted sockets inherit it, before the window is agreed
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.buffer_bytes)
-            sock.bind(sockaddr)
-            sock.listen(256)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        self._listener = sock
-        host, port = sock.getsockname()[:2]
-        self._address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        listener = listen_inet(self.host, self.port, self.buffer_bytes)
+        self._address = address_of("tcp", listener)
+        self._acceptor = Acceptor(listener, self._serve)
         log.info("kv.listen", address=self.address)
 
     @property
@@ -259,22 +222,10 @@ class TcpTransport(Transport):
             raise TransportError("tcp transport not started: call start() first")
         return self._address
 
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, peer = await loop.sock_accept(self._listener)  # type: ignore[arg-type]
-            except OSError as exc:  # e.g. out of file descriptors: retry soon
-                log.warning("kv.accept.failed", error=str(exc))
-                await asyncio.sleep(0.1)
-                continue
-            self._tune(conn)
-            task = loop.create_task(self._serve(conn, f"{peer[0]}:{peer[1]}"))
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
-
-    async def _serve(self, conn: socket.socket, peer: str) -> None:
+    async def _serve(self, conn: socket.socket, peer_address: Any) -> None:
         """One accepted connection: handshake, then frames until the sender closes."""
+        self._tune(conn)
+        peer = f"{peer_address[0]}:{peer_address[1]}"
         header: KvChunkHeader | None = None
         try:
             if not await self._handshake(conn, peer):
@@ -282,7 +233,7 @@ class TcpTransport(Transport):
             prefix = bytearray(FRAME.size)
             while True:
                 header = None
-                got = await _recv_exact(conn, memoryview(prefix))
+                got = await recv_exact(conn, memoryview(prefix))
                 if got == 0:
                     log.debug("kv.conn.closed", peer=peer)
                     return
@@ -293,7 +244,7 @@ class TcpTransport(Transport):
                     log.error("kv.frame.malformed", peer=peer, magic=bytes(magic), wire=wire, length=length)
                     return
                 encoded = bytearray(length)
-                if await _recv_exact(conn, memoryview(encoded)) < length:
+                if await recv_exact(conn, memoryview(encoded)) < length:
                     raise PeerDisconnected(f"{peer} closed mid-header")
                 try:
                     header = self._decoder.decode(encoded)
@@ -311,7 +262,7 @@ class TcpTransport(Transport):
 
     async def _handshake(self, conn: socket.socket, peer: str) -> bool:
         hello = bytearray(HELLO.size)
-        if await _recv_exact(conn, memoryview(hello)) < HELLO.size:
+        if await recv_exact(conn, memoryview(hello)) < HELLO.size:
             return False
         await asyncio.get_running_loop().sock_sendall(conn, self._hello)
         magic, wire, protocol = HELLO.unpack(hello)
@@ -328,10 +279,10 @@ class TcpTransport(Transport):
             scratch = memoryview(bytearray(min(_SCRATCH, header.nbytes)))
             for start in range(0, header.nbytes, _SCRATCH):
                 part = scratch[: min(_SCRATCH, header.nbytes - start)]
-                if await _recv_exact(conn, part) < part.nbytes:
+                if await recv_exact(conn, part) < part.nbytes:
                     raise PeerDisconnected(f"{peer} closed mid-payload")
             self._post(ChunkNotice(header, span, time.monotonic()))
-        elif await _recv_exact(conn, span) < header.nbytes:
+        elif await recv_exact(conn, span) < header.nbytes:
             raise PeerDisconnected(f"{peer} closed mid-payload")
         else:
             self._post(self._landed(header, span))
@@ -346,10 +297,6 @@ class TcpTransport(Transport):
             link.shutdown()
             if not link.lock.locked():
                 link.close()
-        tasks = [t for t in (self._accepting, *self._serving) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
+        if self._acceptor is not None:
+            await self._acceptor.aclose()
         log.debug("kv.closed", transport="tcp")

@@ -62,6 +62,14 @@ from pdflow.transports.base import (
     UnknownRegion,
     byte_view,
 )
+from pdflow.transports.sockets import (
+    Acceptor,
+    address_of,
+    listen_inet,
+    recv_exact,
+    resolve,
+    split_address,
+)
 from pdflow.transports.ucx_link import (
     FRAME,
     HELLO,
@@ -73,9 +81,6 @@ from pdflow.transports.ucx_link import (
     WIRE_VERSION,
     Conn,
     Inbound,
-    recv_exact,
-    resolve,
-    split_address,
     tune,
 )
 from pdflow.transports.ucx_worker import UCXError, UcxWorker
@@ -119,10 +124,8 @@ class UcxTransport(Transport):
         self._links: dict[str, _Link] = {}
         self._link_ids = itertools.count(1)
         self.scratch = bytearray(SCRATCH)
-        self._listener: socket.socket | None = None
         self._address: str | None = None
-        self._accepting: asyncio.Task[None] | None = None
-        self._serving: set[asyncio.Task[None]] = set()
+        self._acceptor: Acceptor | None = None
 
     def _ucx(self) -> UcxWorker:
         if self._worker is None:
@@ -142,7 +145,7 @@ class UcxTransport(Transport):
         head = FRAME.pack(MAGIC, WIRE_VERSION, len(encoded)) + encoded
         link = self._links.get(address)
         if link is None:
-            split_address(address)  # ValueError before anything is kept for it
+            split_address(address, "ucx")  # ValueError before anything is kept for it
             link = self._links.setdefault(address, _Link())
         attempts, conn = link.attempts, None
         try:
@@ -176,7 +179,7 @@ class UcxTransport(Transport):
 
     async def _connect(self, address: str, link: _Link) -> None:
         """TCP connect, handshake and UCX endpoint (within ``timeout_s``); sets ``link.conn``."""
-        host, port = split_address(address)
+        host, port = split_address(address, "ucx")
         loop = asyncio.get_running_loop()
         link.attempts += 1
         link.failure = None
@@ -221,23 +224,12 @@ class UcxTransport(Transport):
 
     async def start(self) -> None:
         self._check_open()
-        if self._listener is not None:
+        if self._acceptor is not None:
             return
         self._ucx()
-        info = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], info[1], info[2])
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(info[4])
-            sock.listen(256)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        self._listener = sock
-        host, port = sock.getsockname()[:2]
-        self._address = f"ucx://[{host}]:{port}" if ":" in host else f"ucx://{host}:{port}"
-        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        listener = listen_inet(self.host, self.port)
+        self._address = address_of("ucx", listener)
+        self._acceptor = Acceptor(listener, self._serve)
         log.info("kv.listen", address=self._address)
 
     @property
@@ -246,22 +238,10 @@ class UcxTransport(Transport):
             raise TransportError("ucx transport not started: call start() first")
         return self._address
 
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, peer = await loop.sock_accept(self._listener)  # type: ignore[arg-type]
-            except OSError as exc:  # e.g. out of file descriptors: retry soon
-                log.warning("kv.accept.failed", error=str(exc))
-                await asyncio.sleep(0.1)
-                continue
-            tune(sock, self.timeout_s)
-            task = loop.create_task(self._serve(sock, f"{peer[0]}:{peer[1]}"))
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
-
-    async def _serve(self, sock: socket.socket, peer: str) -> None:
+    async def _serve(self, sock: socket.socket, peer_address: Any) -> None:
         """One link: handshake, then chunks (taken in by an ``Inbound``) until the link ends."""
+        tune(sock, self.timeout_s)
+        peer = f"{peer_address[0]}:{peer_address[1]}"
         conn: Conn | None = None
         inbound: Inbound | None = None
         try:
@@ -318,14 +298,10 @@ class UcxTransport(Transport):
                 link.conn.lost()  # writers wake and raise TransportClosed; they close it
                 if not link.lock.locked():
                     link.drop(self._worker)
-        tasks = [t for t in (self._accepting, *self._serving) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._acceptor is not None:
+            await self._acceptor.aclose()
         for link in self._links.values():
             link.drop(self._worker)
-        if self._listener is not None:
-            self._listener.close()
         if self._worker is not None:
             self._worker.close(TransportClosed, "ucx transport is closed")
         log.debug("kv.closed", transport="ucx")

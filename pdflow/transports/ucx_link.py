@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import socket
 import struct
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import msgspec
 import structlog
@@ -39,25 +37,6 @@ FRAME = struct.Struct("!4sHI")  # magic, wire version, header length; then the m
 MAX_HEADER = 1 << 16
 SCRATCH = 1 << 16  # where payloads with nowhere to go are drained
 PIECE = 16 << 20  # payloads go as messages of at most this size, each hashed as it lands (in L3)
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``ucx://host:port`` -> (host, port); ValueError for anything else."""
-    parts = urlsplit(address)
-    if parts.scheme != "ucx" or not parts.hostname or parts.port is None:
-        raise ValueError(f"not a ucx address: {address!r} (expected ucx://host:port)")
-    return parts.hostname, parts.port
-
-
-async def recv_exact(sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view`` from ``sock``; fewer bytes than asked only when the peer closed."""
-    loop, got = asyncio.get_running_loop(), 0
-    while got < view.nbytes:
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            break
-        got += n
-    return got
 
 
 def tune(sock: socket.socket, timeout_s: float) -> None:
@@ -143,15 +122,6 @@ class Conn:
             worker.keep(self.endpoint.close())
         self.endpoint = None
         self.sock.close()
-
-
-async def resolve(host: str, port: int) -> tuple[int, Any]:
-    try:  # numeric addresses need no resolver thread
-        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-        return family, (host, port)
-    except ValueError:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        return infos[0][0], infos[0][4]
 
 
 class Inbound:

@@ -1,0 +1,120 @@
+"""The socket plumbing the tcp, shm and ucx transports share: addresses, exact reads, and the
+receiver's listening socket with a task per accepted connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import structlog
+
+log = structlog.get_logger("pdflow.transports")
+
+
+def split_address(address: str, scheme: str) -> tuple[str, int]:
+    """``tcp://host:port`` (for scheme ``tcp``) -> (host, port); ValueError for anything else."""
+    parts = urlsplit(address)
+    if parts.scheme != scheme or not parts.hostname or parts.port is None:
+        raise ValueError(f"not a {scheme} address: {address!r} (expected {scheme}://host:port)")
+    return parts.hostname, parts.port
+
+
+def address_of(scheme: str, sock: socket.socket) -> str:
+    """The ``scheme://host:port`` address a listening inet socket is reached at (IPv6 in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+async def resolve(host: str, port: int) -> tuple[int, Any]:
+    """(address family, socket address) for ``host:port``."""
+    try:  # numeric addresses need no resolver thread
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        return family, (host, port)
+    except ValueError:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return infos[0][0], infos[0][4]
+
+
+async def recv_exact(sock: socket.socket, view: memoryview) -> int:
+    """Fill ``view`` from ``sock``; fewer bytes than asked only when the peer closed."""
+    loop, got = asyncio.get_running_loop(), 0
+    while got < view.nbytes:
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def listen_inet(host: str, port: int, receive_buffer: int = 0) -> socket.socket:
+    """A non-blocking TCP socket listening on ``host:port`` (port 0: any free one).
+    ``receive_buffer`` is set before listening, so accepted sockets inherit it before their
+    window is agreed."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(info[0], info[1], info[2])
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if receive_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.bind(info[4])
+        return _listening(sock)
+    except OSError:
+        sock.close()
+        raise
+
+
+def listen_abstract_unix(name: str) -> socket.socket:
+    """A non-blocking Unix stream socket listening on the abstract name ``name`` (no file: it
+    disappears with its last descriptor, also after a crash)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+        return _listening(sock)
+    except OSError:
+        sock.close()
+        raise
+
+
+def _listening(sock: socket.socket) -> socket.socket:
+    sock.listen(256)
+    sock.setblocking(False)
+    return sock
+
+
+class Acceptor:
+    """Accepts connections on ``listener`` and runs ``serve(conn, peer_address)`` for each in a
+    task of its own, until :meth:`aclose`."""
+
+    def __init__(self, listener: socket.socket, serve: Callable[[socket.socket, Any], Awaitable[None]]) -> None:
+        self.listener = listener
+        self._serve = serve
+        self._serving: set[asyncio.Task[None]] = set()
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, peer = await loop.sock_accept(self.listener)
+            except OSError as exc:  # e.g. out of file descriptors: retry soon
+                log.warning("kv.accept.failed", error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._serve(conn, peer))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def aclose(self, *also: asyncio.Task[Any]) -> None:
+        """Stop accepting, cancel every serving task (and ``also``), wait for them, close the
+        listening socket."""
+        tasks = [self._accepting, *self._serving, *also]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(OSError):
+            self.listener.close()
