@@ -3,8 +3,9 @@
 
 1. serve: PD (prefill pinned to core 0, decode to core 1) against the colocated worker on the
    same two cores, without and with chunked prefill, under a mixed load of short and long prompts
-   swept over request rates, plus a scaled replay of the Mooncake conversation trace. Reports
-   TTFT/TBT percentiles and goodput under the stated SLOs, as ratios from the same run.
+   swept over request rates. Reports TTFT/TBT percentiles and goodput under the stated SLOs, as
+   ratios from the same run, and draws the designs side by side (compare.png).
+   trace: the same three designs on a scaled replay of the Mooncake conversation trace.
 2. kv-tail: PD with kv_streaming = "layer" against "request" at 2K- and 8K-token prompts through
    an emulated link slow enough that the transfer is a large part of prefill.
 3. overhead: decode tokens/s through the whole PD pipeline against the bare engine's decode loop
@@ -63,26 +64,26 @@ def _bench(url: str, out: Path, argv: list[str]) -> dict:
 # --- 1. serve ----------------------------------------------------------------------------------
 
 
+def _designs(out: Path, name: str, argv: list[str], plot: bool) -> dict[str, dict]:
+    """Run ``pdflow bench serve`` with ``argv`` against each design, one after another."""
+    results = {}
+    for design, config in DESIGNS.items():
+        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), **config) as server:
+            say(f"- {design}: {name}")
+            plots = ["--plot-dir", str(out / f"plots-{design}-{name}")] if plot else []
+            results[design] = _bench(server.url, out / f"serve-{design}-{name}.json", argv + plots)
+    return results
+
+
 def part_serve(opts, out: Path) -> None:
     rates = opts.rates
     mixed = ["--dataset", "random", "--input-len-range", opts.input_range, "--output-len-range", "32:64",
              "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", rates,
              "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
-    trace = ["--dataset", "trace", "--dataset-path", str(TRACE), "--token-scale", "0.02",
-             "--time-scale", str(opts.trace_time_scale), "--limit", str(opts.trace_limit),
-             "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
-    results: dict[str, dict] = {}
-    for design, config in DESIGNS.items():
-        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), **config) as server:
-            say(f"- {design}: running the mixed load at {rates} req/s, then the trace")
-            results[design] = {
-                "mixed": _bench(server.url, out / f"serve-{design}-mixed.json",
-                                mixed + ["--plot-dir", str(out / f"plots-{design}")]),
-                "trace": _bench(server.url, out / f"serve-{design}-trace.json", trace),
-            }
+    results = _designs(out, "mixed", mixed, plot=True)
     from pdflow.bench.plots import plot_compare
 
-    plot_compare({design: results[design]["mixed"]["runs"] for design in DESIGNS}, out / "compare.png")
+    plot_compare({design: results[design]["runs"] for design in DESIGNS}, out / "compare.png")
     say()
     say(f"Mixed load: random input {opts.input_range} tokens, output 32-64, {opts.num_prompts} requests "
         f"per rate; SLOs: TTFT <= {opts.slo_ttft:.0f} ms, TBT (Mooncake: mean of the longest 10% gaps "
@@ -94,7 +95,7 @@ def part_serve(opts, out: Path) -> None:
     say("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for i, rate in enumerate(rates.split(",")):
         for design in DESIGNS:
-            m = results[design]["mixed"]["runs"][i]["metrics"]
+            m = results[design]["runs"][i]["metrics"]
             say(f"| {rate} | {design} | {_f(m['ttft_ms']['p50'])} | {_f(m['ttft_ms']['p99'])} | "
                 f"{_f(m['tbt_ms']['p50'])} | {_f(m['tbt_ms']['p99'])} | {_f(m['tbt_mooncake_ms']['p99'])} | "
                 f"{m['goodput']:.3f} | {m['goodput_fraction']:.0%} |")
@@ -104,24 +105,31 @@ def part_serve(opts, out: Path) -> None:
     say("| rate | vs | TBT p99 ratio | Mooncake TBT p99 ratio | goodput ratio |")
     say("|---|---|---:|---:|---:|")
     for i, rate in enumerate(rates.split(",")):
-        pd = results["pd"]["mixed"]["runs"][i]["metrics"]
+        pd = results["pd"]["runs"][i]["metrics"]
         for design in ("colocated", "colocated-chunked"):
-            m = results[design]["mixed"]["runs"][i]["metrics"]
-            good = pd["goodput"] / m["goodput"] if m["goodput"] else float("inf")
+            m = results[design]["runs"][i]["metrics"]
+            good = f"{pd['goodput'] / m['goodput']:.2f}x" if m["goodput"] else f"{pd['goodput']:.3f} vs 0"
+            ratios = [_ratio(pd[key]["p99"], m[key]["p99"]) for key in ("tbt_ms", "tbt_mooncake_ms")]
+            say(f"| {rate} | {design} | {ratios[0]} | {ratios[1]} | {good} |")
 
-            def ratio(key: str) -> str:
-                ours, theirs = pd[key]["p99"], m[key]["p99"]
-                return "-" if ours is None or theirs is None else f"{theirs / ours:.2f}x"
 
-            say(f"| {rate} | {design} | {ratio('tbt_ms')} | {ratio('tbt_mooncake_ms')} | {good:.2f}x |")
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return "-" if ours is None or theirs is None else f"{theirs / ours:.2f}x"
+
+
+def part_trace(opts, out: Path) -> None:
+    trace = ["--dataset", "trace", "--dataset-path", str(TRACE), "--token-scale", "0.02",
+             "--time-scale", str(opts.trace_time_scale), "--limit", str(opts.trace_limit),
+             "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
+    results = _designs(out, "trace", trace, plot=True)
     say()
-    say(f"Scaled conversation trace (token scale 0.02, time scale {opts.trace_time_scale}, first "
-        f"{opts.trace_limit} requests):")
+    say(f"Scaled conversation trace (token scale 0.02, time scale {opts.trace_time_scale:g}: arrivals "
+        f"{1 / opts.trace_time_scale:g}x as far apart; the first {opts.trace_limit} requests):")
     say()
     say("| design | TTFT p50 | TTFT p99 | TBT p99 | Mooncake TBT p99 | goodput (req/s) | good |")
     say("|---|---:|---:|---:|---:|---:|---:|")
     for design in DESIGNS:
-        m = results[design]["trace"]["runs"][0]["metrics"]
+        m = results[design]["runs"][0]["metrics"]
         say(f"| {design} | {_f(m['ttft_ms']['p50'])} | {_f(m['ttft_ms']['p99'])} | {_f(m['tbt_ms']['p99'])} | "
             f"{_f(m['tbt_mooncake_ms']['p99'])} | {m['goodput']:.3f} | {m['goodput_fraction']:.0%} |")
 
@@ -263,15 +271,15 @@ def part_overhead(opts, out: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "experiment")
-    parser.add_argument("--parts", default="serve,kv-tail,overhead")
+    parser.add_argument("--parts", default="serve,trace,kv-tail,overhead")
     parser.add_argument("--quick", action="store_true", help="fewer requests and smaller prompts (a smoke run)")
-    parser.add_argument("--rates", default="0.2,0.4")
+    parser.add_argument("--rates", default="0.2,0.4,0.6")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-range", default="32:768")
     parser.add_argument("--slo-ttft", type=float, default=10000.0)
-    parser.add_argument("--slo-tbt", type=float, default=300.0)
-    parser.add_argument("--trace-limit", type=int, default=16)
-    parser.add_argument("--trace-time-scale", type=float, default=4.0)
+    parser.add_argument("--slo-tbt", type=float, default=500.0)
+    parser.add_argument("--trace-limit", type=int, default=40)
+    parser.add_argument("--trace-time-scale", type=float, default=0.1)
     parser.add_argument("--kv-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8000])
     parser.add_argument("--link-bandwidth", default="50Mbit")
     parser.add_argument("--link-latency", default="0.5ms")
@@ -280,12 +288,12 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.quick:
         opts.rates, opts.num_prompts, opts.input_range, opts.trace_limit = "0.5", 4, "16:128", 4
-        opts.kv_tokens, opts.batch = [256], 4
+        opts.kv_tokens, opts.batch, opts.overhead_rounds = [256], 4, 1
     opts.out.mkdir(parents=True, exist_ok=True)
     say(f"# pdflow disaggregation experiment ({time.strftime('%Y-%m-%d %H:%M')}, load average "
         f"{os.getloadavg()[0]:.2f}, {os.cpu_count()} cores)")
     say(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
-    parts = {"serve": part_serve, "kv-tail": part_kv_tail, "overhead": part_overhead}
+    parts = {"serve": part_serve, "trace": part_trace, "kv-tail": part_kv_tail, "overhead": part_overhead}
     for name in opts.parts.split(","):
         say()
         say(f"## {name}")

@@ -100,6 +100,19 @@ def test_requests_joining_a_running_batch_equal_generate(engine, reference):
     assert _decode(loaded, prompts, join_after={1: 3, 2: 5, 3: 9}) == reference
 
 
+def test_uninitialised_batch_memory_never_reaches_attention(engine, reference, monkeypatch):
+    """The batch buffers are allocated uninitialised: poisoned with NaN instead, joins, leaves
+    and growth must still give generate()'s tokens (a NaN read anywhere would spread)."""
+    import pdflow.engine.decode as decode_module
+
+    def poisoned(*shape, **kwargs):
+        return torch.full(*shape, float("nan"), **kwargs) if len(shape) == 1 else torch.full(shape, float("nan"), **kwargs)
+
+    monkeypatch.setattr(decode_module.torch, "empty", poisoned)
+    loaded, prompts = engine
+    assert _decode(loaded, prompts, join_after={1: 3, 2: 5, 3: 9}) == reference
+
+
 def test_france_answer(engine, reference, model_dir):
     tokenizer = load_tokenizer(model_dir)
     assert "Paris" in tokenizer.decode(reference[0])
@@ -154,7 +167,8 @@ def test_sequences_join_and_leave_after_the_buffers_grew_during_a_step(engine):
 
     def seq(name: str, length: int):
         kv = torch.randn(layout.num_kv_heads, length, layout.head_dim)
-        return Sequence(name, length, 100, _greedy()), lambda layer: (kv, kv)
+        one_token = Sampler(SamplingParams(max_tokens=1, temperature=0))  # reserves no room ahead
+        return Sequence(name, length, 100, one_token), lambda layer: (kv, kv)
 
     batch.add(*seq("a", 254))
     for _ in range(4):  # 254 -> 258 cached tokens: the buffers grow past 256 inside step()

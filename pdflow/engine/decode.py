@@ -6,6 +6,14 @@ All sequences of the batch share one key buffer and one value buffer per layer, 
 embeddings are right), writes the new keys and values at ``length``, and attends over
 ``0 .. max(length)`` with an additive mask that hides each row's unused tail. Rows are kept
 dense: a leaving sequence's row is filled with the last row.
+
+Growing the buffers stalls every sequence of the batch, so it is made rare and cheap: a joining
+sequence reserves room for its whole output (prompt + ``max_tokens``, within the model's
+context; at most 1024 output tokens ahead), so steps rarely grow them; the buffers are allocated
+uninitialised with a row for every sequence the batch may hold (the memory is mapped lazily:
+capacity no row reached costs nothing), and only what is in use is copied. A masked position
+must still hold a finite number (0 × NaN is NaN), so every row in use is kept finite below
+``_clean``, a high-water mark that each step and each join extend with zeros.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from pdflow.engine.sampler import Sampler, sample_batch
 from pdflow.kv_layout import torch_dtype
 
 _CAPACITY_STEP = 256
+_RESERVE_MAX = 1024  # output tokens a joining sequence reserves room for, at most
 
 
 @dataclass(slots=True, eq=False)
@@ -58,6 +67,7 @@ class DecodeBatch:
         self.values: list[torch.Tensor] = []
         self._rows_cap = 0
         self._len_cap = 0
+        self._clean = 0  # rows in use hold finite values (KV or zeros) at positions below this
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -69,21 +79,28 @@ class DecodeBatch:
     def _ensure_capacity(self, rows: int, length: int) -> None:
         if rows <= self._rows_cap and length <= self._len_cap:
             return
-        new_rows = max(self._rows_cap, min(self.max_batch, max(rows, 2 * self._rows_cap, 4)))
+        new_rows = max(self.max_batch, rows)  # rows no sequence uses are never touched: free
         new_len = max(self._len_cap, -(-length // _CAPACITY_STEP) * _CAPACITY_STEP)
         layout = self.loaded.layout
         shape = (new_rows, layout.num_kv_heads, new_len, layout.head_dim)
         dtype, device = torch_dtype(layout.dtype), self.loaded.device
+        used, clean = len(self.sequences), self._clean
         for buffers in (self.keys, self.values):
             for layer in range(layout.num_layers):
-                # zeros, not empty: masked positions get weight 0, and 0 * NaN garbage would be NaN
-                fresh = torch.zeros(shape, dtype=dtype, device=device)
+                fresh = torch.empty(shape, dtype=dtype, device=device)
                 if layer < len(buffers):
-                    fresh[: self._rows_cap, :, : self._len_cap] = buffers[layer]
+                    fresh[:used, :, :clean] = buffers[layer][:used, :, :clean]
                     buffers[layer] = fresh
                 else:
                     buffers.append(fresh)
         self._rows_cap, self._len_cap = new_rows, new_len
+
+    def _clean_to(self, rows: int, length: int) -> None:
+        """Zero positions ``_clean .. length`` of the first ``rows`` rows and raise ``_clean``."""
+        if length > self._clean:
+            for buf in (*self.keys, *self.values):
+                buf[:rows, :, self._clean : length] = 0
+            self._clean = length
 
     # every method that touches the buffers runs in inference mode: buffers made during a step are
     # inference tensors, which may only be written to in inference mode
@@ -94,11 +111,16 @@ class DecodeBatch:
         if self.full:
             raise RuntimeError("decode batch is full")
         row = len(self.sequences)
-        self._ensure_capacity(row + 1, seq.length + 1)
+        output_left = min(max(seq.sampler.params.max_tokens - seq.generated, 0), _RESERVE_MAX)
+        final = min(seq.length + output_left, self.loaded.max_context)
+        self._ensure_capacity(row + 1, max(final, seq.length) + 1)
+        self._clean_to(row, seq.length)  # the rows already in: finite up to where this one's KV ends
         for layer in range(self.loaded.layout.num_layers):
             keys, values = layer_kv(layer)
             self.keys[layer][row, :, : seq.length] = keys
             self.values[layer][row, :, : seq.length] = values
+            self.keys[layer][row, :, seq.length : self._clean] = 0
+            self.values[layer][row, :, seq.length : self._clean] = 0
         self.sequences.append(seq)
 
     @torch.inference_mode()
@@ -113,7 +135,7 @@ class DecodeBatch:
             self.sequences[row] = moved
         self.sequences.pop()
         if not self.sequences:  # give the memory back when idle
-            self.keys, self.values, self._rows_cap, self._len_cap = [], [], 0, 0
+            self.keys, self.values, self._rows_cap, self._len_cap, self._clean = [], [], 0, 0, 0
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, int]]:
@@ -125,6 +147,7 @@ class DecodeBatch:
         lengths = torch.tensor([s.length for s in seqs], device=device)
         kv_len = int(lengths.max()) + 1
         self._ensure_capacity(len(seqs), kv_len)
+        self._clean_to(len(seqs), kv_len)
         rows = torch.arange(len(seqs), device=device)
         input_ids = torch.tensor([[s.next_token] for s in seqs], device=device)
         mask = None

@@ -247,14 +247,15 @@ class Transport(ABC):
             )
         return region[header.offset : header.offset + header.nbytes]
 
-    def _landed(self, header: KvChunkHeader, span: memoryview) -> ChunkNotice:
-        """The notice for a payload now in ``span``: checks the region is still there and the checksum."""
+    def _landed(self, header: KvChunkHeader, span: memoryview, digest: int | None = None) -> ChunkNotice:
+        """The notice for a payload now in ``span``: checks the region is still there and the
+        checksum (``digest``: the payload's, hashed as it landed; else ``span`` is hashed now)."""
         now = time.monotonic()
         region = self._regions.get(header.region)
         if region is None or span.obj is not region.obj:
             error: TransportError = UnknownRegion(f"region {header.region} was unregistered while landing")
             return ChunkNotice(header, error, now)
-        if checksum(span) != header.checksum:
+        if (checksum(span) if digest is None else digest) != header.checksum:
             where = f"region {header.region} at {header.offset}, {header.nbytes} bytes"
             return ChunkNotice(header, ChecksumMismatch(f"checksum mismatch: {where}"), now)
         return ChunkNotice(header, None, now)

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 import structlog
+import xxhash
 
 from pdflow.messages import PROTOCOL_VERSION, KvChunkHeader
 from pdflow.transports.base import (
@@ -252,6 +253,7 @@ class TcpTransport(Transport):
                     log.error("kv.frame.malformed", peer=peer, error=str(exc))
                     return
                 await self._receive_payload(conn, peer, header)
+                await asyncio.sleep(0)  # reads go eagerly: let other tasks run between frames
         except (OSError, PeerDisconnected) as exc:
             log.warning("kv.conn.lost", peer=peer, error=str(exc), mid_chunk=header is not None)
             if header is not None:
@@ -282,10 +284,11 @@ class TcpTransport(Transport):
                 if await recv_exact(conn, part) < part.nbytes:
                     raise PeerDisconnected(f"{peer} closed mid-payload")
             self._post(ChunkNotice(header, span, time.monotonic()))
-        elif await recv_exact(conn, span) < header.nbytes:
-            raise PeerDisconnected(f"{peer} closed mid-payload")
         else:
-            self._post(self._landed(header, span))
+            hasher = xxhash.xxh3_64()  # = pdflow.checksum.checksum, fed as the bytes land
+            if await recv_exact(conn, span, hasher) < header.nbytes:
+                raise PeerDisconnected(f"{peer} closed mid-payload")
+            self._post(self._landed(header, span, hasher.intdigest()))
 
     # --- closing ---------------------------------------------------------------------------
 

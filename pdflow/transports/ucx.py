@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-import time
 from typing import Any
 
 import msgspec
@@ -51,15 +50,12 @@ import structlog
 
 from pdflow.messages import PROTOCOL_VERSION, KvChunkHeader
 from pdflow.transports.base import (
-    ChecksumMismatch,
-    ChunkNotice,
     IncompatiblePeer,
     PeerDisconnected,
     PeerUnreachable,
     Transport,
     TransportClosed,
     TransportError,
-    UnknownRegion,
     byte_view,
 )
 from pdflow.transports.sockets import (
@@ -274,18 +270,6 @@ class UcxTransport(Transport):
         await loop.sock_sendall(sock, WELCOME.pack(link_id, len(address)) + address)
         log.debug("kv.conn.open", peer=peer, link=link_id)
         return link_id
-
-    def _verified(self, header: KvChunkHeader, span: memoryview, digest: int) -> ChunkNotice:
-        """:meth:`Transport._landed` for a payload hashed as it landed (``digest``)."""
-        now = time.monotonic()
-        region = self._regions.get(header.region)
-        if region is None or span.obj is not region.obj:
-            error: TransportError = UnknownRegion(f"region {header.region} was unregistered while landing")
-            return ChunkNotice(header, error, now)
-        if digest != header.checksum:
-            where = f"region {header.region} at {header.offset}, {header.nbytes} bytes"
-            return ChunkNotice(header, ChecksumMismatch(f"checksum mismatch: {where}"), now)
-        return ChunkNotice(header, None, now)
 
     # --- closing ---------------------------------------------------------------------------
 

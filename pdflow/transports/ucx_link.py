@@ -210,7 +210,7 @@ class Inbound:
         if isinstance(span, TransportError):
             self.transport._post(ChunkNotice(header, span, time.monotonic()))
         else:
-            self.transport._post(self.transport._verified(header, span, self.hasher.intdigest()))
+            self.transport._post(self.transport._landed(header, span, self.hasher.intdigest()))
         self._expect_header()
 
     def _cut(self, why: str) -> None:
