@@ -8,8 +8,10 @@ the payload. Nothing else flows back from the receiver.
 
 Copies. The payload is handed to the kernel from the caller's own memory (one ``sendmsg`` of
 [framed header, payload], then ``sock_sendall`` of what is left), and received with
-``recv_into`` straight into the registered region at the offset. Payloads with nowhere to go
-(unknown region, out of bounds) are drained into a small scratch buffer.
+``recv_into`` straight into the registered region at the offset, each piece hashed for the
+checksum as it lands (still in cache). Reads are tried before waiting on the event loop, and the
+receiver yields to the loop once per frame. Payloads with nowhere to go (unknown region, out of
+bounds) are drained into a small scratch buffer.
 
 Runs on asyncio and on uvloop. Options: ``timeout_s`` (connect + handshake, and how long sent
 data may stay unacknowledged before the connection counts as dead; default 30) and
