@@ -3,12 +3,18 @@
 NEVER RUN: written on a machine with no RDMA device (nor rdma_rxe for a soft one), against the
 pyverbs 44 API (Debian ``python3-pyverbs``; PyPI has only an sdist needing rdma-core headers).
 Checked: these pyverbs names import, and the device check reports the empty device list.
+Reviewed line by line (2026-11-29): PSNs cross over (each side's sq_psn is the other's rq_psn),
+immediates are passed through raw on both ends (no byte-order conversion on either side), a
+write cancelled or failed mid-way drops its link (QP and connection) so the next write starts
+a fresh one, and a payload whose header came but whose bytes never did is reported as
+PeerDisconnected when the sender's connection ends.
 Importing raises ImportError (the registry then says why) without pyverbs or without a device.
 
 The receiver listens on TCP at ``verbs://host:port``; a sender connects once per receiver, both
 send HELLO (magic, versions) and describe an RC queue pair made for the link (QP number, PSN,
-LID, GID), then bring it to RTS. The connection then carries each chunk's header; its closing
-tells the receiver that the sender went. :meth:`register` (so :meth:`allocate` too) registers a
+LID, GID), bring it to RTS and confirm with READY (the receiver posts its receive WRs before,
+so no write meets a QP that is not ready for it). The connection then carries each chunk's
+header; its closing tells the receiver that the sender went. :meth:`register` (so :meth:`allocate` too) registers a
 region once (an MR with REMOTE_WRITE); :meth:`address_for` adds where it is and its key:
 ``verbs://host:port/<region>?addr=..&rkey=..&len=..``. A write sends the header (sequence number,
 payload follows?) over TCP, registers the caller's buffer for its duration and posts a signalled
@@ -54,6 +60,7 @@ from pdflow.transports.base import (
     TransportError,
     byte_view,
 )
+from pdflow.transports.sockets import Acceptor, listen_inet
 
 try:
     _NO_DEVICE = None if get_device_list() else "no RDMA device found (ibv_get_device_list is empty)"
@@ -65,6 +72,7 @@ if _NO_DEVICE is not None:
 log = structlog.get_logger()
 MAGIC, WIRE_VERSION, PORT, RECV_WRS, SEND_IDS = b"PDRV", 1, 1, 256, 1 << 32
 HELLO = struct.Struct("!4sHHI")  # magic, wire version, protocol version, QP description length
+READY = b"R"  # sent once a side's QP is in RTS: no write may reach a QP still in INIT (it is dropped)
 FRAME = struct.Struct("!IIB")  # header length, sequence number, payload follows; then the header
 ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
 _OPTIONS: dict[str, Any] = {"timeout_s": 30.0, "device": None, "gid_index": 0}
@@ -111,7 +119,7 @@ class VerbsTransport(Transport):
         self._by_qpn: dict[int, _Link] = {}  # receiver: by our QP number
         self._sends: dict[int, asyncio.Future[None]] = {}  # by work request id (>= SEND_IDS)
         self._send_ids, self._dialing = itertools.count(SEND_IDS), asyncio.Lock()
-        self._listener: socket.socket | None = None
+        self._acceptor: Acceptor | None = None
         self._address: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._poller: asyncio.Task[None] | None = None  # polls the CQ for both directions
@@ -136,12 +144,25 @@ class VerbsTransport(Transport):
         addr, rkey, length = (mr.buf, mr.rkey, mr.length) if mr is not None else (0, 0, 0)
         return f"{self.address}/{region}?addr={addr}&rkey={rkey}&len={length}"
 
-    async def _link_up(self, sock: socket.socket) -> QP:
-        """A new RC queue pair, described to the peer over ``sock`` and brought to RTS."""
+    async def _link_up(self, sock: socket.socket, receiving: bool) -> QP:
+        """A new RC queue pair, described to the peer over ``sock`` and brought to RTS; both
+        sides then exchange READY, so neither writes before the other can take it. The
+        receiving side posts its receive WRs (for the immediates) before that, already in INIT."""
         cap = QPCap(max_send_wr=RECV_WRS, max_recv_wr=RECV_WRS, max_send_sge=1, max_recv_sge=1)
         attr = QPAttr(qp_state=e.IBV_QPS_INIT)
         attr.port_num, attr.qp_access_flags = PORT, ACCESS
         qp = QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap), attr)
+        try:
+            if receiving:
+                for i in range(RECV_WRS):
+                    qp.post_recv(self._recv_wr(i))
+            await self._connect_qp(sock, qp)
+        except BaseException:
+            qp.close()
+            raise
+        return qp
+
+    async def _connect_qp(self, sock: socket.socket, qp: QP) -> None:
         psn = random.randrange(1 << 24)
         mine = msgspec.json.encode({"qpn": qp.qp_num, "psn": psn, "lid": self.port_attr.lid, "gid": str(self.gid)})
         await asyncio.get_running_loop().sock_sendall(sock, HELLO.pack(MAGIC, WIRE_VERSION, PROTOCOL_VERSION, len(mine)) + mine)
@@ -158,7 +179,9 @@ class VerbsTransport(Transport):
         attr.qp_state, attr.sq_psn, attr.timeout, attr.retry_cnt = e.IBV_QPS_RTS, psn, 14, 7  # ~0.5 s
         attr.rnr_retry, attr.max_rd_atomic = 7, 1
         qp.to_rts(attr)
-        return qp
+        await asyncio.get_running_loop().sock_sendall(sock, READY)
+        if await _recv(sock, len(READY)) != READY:
+            raise IncompatiblePeer("the peer did not confirm its queue pair")
 
     # --- sending --------------------------------------------------------------------------------
 
@@ -181,7 +204,11 @@ class VerbsTransport(Transport):
                         sock = socket.socket(socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET)
                         sock.setblocking(False)
                         await asyncio.get_running_loop().sock_connect(sock, (parts.hostname, parts.port))
-                        self._links[base] = _Link(await self._link_up(sock), sock)
+                        self._links[base] = _Link(await self._link_up(sock, receiving=False), sock)
+                except IncompatiblePeer:
+                    if sock is not None:
+                        sock.close()
+                    raise
                 except (OSError, TimeoutError, PyverbsError, ValueError) as exc:
                     if sock is not None:
                         sock.close()
@@ -195,13 +222,20 @@ class VerbsTransport(Transport):
                 await asyncio.get_running_loop().sock_sendall(link.sock, FRAME.pack(len(encoded), seq, has_payload) + encoded)
                 if has_payload:
                     await self._rdma_write(link, payload, where["addr"] + header.offset, where["rkey"], seq)
+        except asyncio.CancelledError:
+            self._drop(base, link)  # cancelled mid-write: what this QP still does is unknown
+            raise
         except (OSError, PyverbsError, PeerDisconnected) as exc:
-            if self._links.pop(base, None) is link:  # the next write reconnects
-                link.sock.close()
-                link.qp.close()
+            self._drop(base, link)  # the next write reconnects
             if self._closed:
                 raise TransportClosed("verbs transport closed while writing") from exc
             raise PeerDisconnected(f"lost connection to {base}: {exc}") from exc
+
+    def _drop(self, base: str, link: _Link) -> None:
+        if self._links.get(base) is link:
+            del self._links[base]
+            link.sock.close()
+            link.qp.close()
 
     async def _rdma_write(self, link: _Link, payload: memoryview, remote: int, rkey: int, seq: int) -> None:
         mr = MR(self.pd, payload.nbytes, 0, address=_address_of(payload))  # read only: 0 access
@@ -222,11 +256,10 @@ class VerbsTransport(Transport):
 
     async def start(self) -> None:
         self._check_open()
-        if self._listener is None:
-            self._listener = socket.create_server((self.host, self.port))
-            self._listener.setblocking(False)
-            self._address = f"verbs://{self.host}:{self._listener.getsockname()[1]}"
-            self._spawn(self._accept())
+        if self._acceptor is None:
+            listener = listen_inet(self.host, self.port)
+            self._address = f"verbs://{self.host}:{listener.getsockname()[1]}"
+            self._acceptor = Acceptor(listener, self._serve)
             self._poller = self._poller or self._spawn(self._poll_cq())
 
     @property
@@ -235,19 +268,14 @@ class VerbsTransport(Transport):
             raise TransportError("verbs transport not started: call start() first")
         return self._address
 
-    async def _accept(self) -> None:
-        while True:
-            sock, peer = await asyncio.get_running_loop().sock_accept(self._listener)  # type: ignore[arg-type]
-            self._spawn(self._serve(sock, f"{peer[0]}:{peer[1]}"))
-
-    async def _serve(self, sock: socket.socket, peer: str) -> None:
+    async def _serve(self, sock: socket.socket, peer_address: Any) -> None:
         """Handshake, then header frames until the sender goes; payloads land via the CQ."""
+        sock.setblocking(False)
+        peer = f"{peer_address[0]}:{peer_address[1]}"
         link, decoder = None, msgspec.msgpack.Decoder(KvChunkHeader)
         try:
-            qp = await self._link_up(sock)
+            qp = await self._link_up(sock, receiving=True)
             link = self._by_qpn[qp.qp_num] = _Link(qp, sock)
-            for i in range(RECV_WRS):
-                qp.post_recv(self._recv_wr(i))
             while True:
                 length, seq, has_payload = FRAME.unpack(await _recv(sock, FRAME.size))
                 header = decoder.decode(await _recv(sock, length))
@@ -312,10 +340,11 @@ class VerbsTransport(Transport):
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._acceptor is not None:
+            await self._acceptor.aclose()
         for link in [*self._links.values(), *self._by_qpn.values()]:
             link.sock.close()
             link.qp.close()
-        if self._listener is not None:
-            self._listener.close()
         for region in list(self._mrs):
             self.unregister(region)
+        self.ctx.close()  # and with it the PD, CQ and the sink MR (pyverbs closes dependents)
