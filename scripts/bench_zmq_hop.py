@@ -51,8 +51,9 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=300)
     parser.add_argument("--every-ms", type=float, default=20.0)
     parser.add_argument("--port", type=int, default=39555)
+    parser.add_argument("--address", help="a zmq address instead, e.g. ipc:///tmp/hop.sock")
     args = parser.parse_args()
-    address = f"tcp://127.0.0.1:{args.port}"
+    address = args.address or f"tcp://127.0.0.1:{args.port}"
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     receiver = context.Process(target=_receiver, args=(address, args.messages, results))

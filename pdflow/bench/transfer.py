@@ -225,7 +225,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated transports to run, e.g. tcp,shm (default: every "
                         "transport usable across processes here)")
     parser.add_argument("--repeat", type=int, default=5, metavar="N",
-                        help="measured rounds per cell at most, after one warm-up round (default: 5)")
+                        help="measured rounds per cell at most, split over the passes (rounded up), each "
+                        "pass after one warm-up round (default: 5)")
     parser.add_argument("--seconds", type=float, default=3.0, metavar="S",
                         help="time budget per cell: no new round starts after S seconds; at least "
                         "one round per pass is measured (default: 3)")

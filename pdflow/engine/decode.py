@@ -10,8 +10,9 @@ dense: a leaving sequence's row is filled with the last row.
 Growing the buffers stalls every sequence of the batch, so it is made rare and cheap: a joining
 sequence reserves room for its whole output (prompt + ``max_tokens``, within the model's
 context; at most 1024 output tokens ahead), so steps rarely grow them; the buffers are allocated
-uninitialised with a row for every sequence the batch may hold (the memory is mapped lazily:
-capacity no row reached costs nothing), and only what is in use is copied. A masked position
+uninitialised, on the CPU with a row for every sequence the batch may hold (the memory is mapped
+lazily: capacity no row reached costs nothing; on a GPU, where it is not, rows double as
+needed), and only what is in use is copied. A masked position
 must still hold a finite number (0 × NaN is NaN), so every row in use is kept finite below
 ``_clean``, a high-water mark that each step and each join extend with zeros.
 """
@@ -79,11 +80,16 @@ class DecodeBatch:
     def _ensure_capacity(self, rows: int, length: int) -> None:
         if rows <= self._rows_cap and length <= self._len_cap:
             return
-        new_rows = max(self.max_batch, rows)  # rows no sequence uses are never touched: free
+        dtype, device = torch_dtype(self.loaded.layout.dtype), self.loaded.device
+        if rows <= self._rows_cap:
+            new_rows = self._rows_cap
+        elif torch.device(device).type == "cpu":  # lazily mapped: rows no sequence uses cost nothing
+            new_rows = self.max_batch
+        else:  # device memory is reserved whole: grow by doubling
+            new_rows = min(self.max_batch, max(rows, 2 * self._rows_cap, 4))
         new_len = max(self._len_cap, -(-length // _CAPACITY_STEP) * _CAPACITY_STEP)
         layout = self.loaded.layout
         shape = (new_rows, layout.num_kv_heads, new_len, layout.head_dim)
-        dtype, device = torch_dtype(layout.dtype), self.loaded.device
         used, clean = len(self.sequences), self._clean
         for buffers in (self.keys, self.values):
             for layer in range(layout.num_layers):
