@@ -173,6 +173,9 @@ def test_plots_for_a_sweep(tmp_path):
     paths = plots.write_all([fake_run(1, 0.02), fake_run(2, 0.2)], tmp_path)
     assert {p.name for p in paths} >= {"latency_cdf.png", "goodput_vs_rate.png"}
     assert all(p.stat().st_size > 1000 for p in paths)
+    compared = plots.plot_compare({"pd": [fake_run(1, 0.02), fake_run(2, 0.05)],
+                                   "colocated": [fake_run(1, 0.3), fake_run(2, 0.9)]}, tmp_path / "compare.png")
+    assert compared.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and compared.stat().st_size > 1000
 
 
 # --- against a real server --------------------------------------------------------------------------
