@@ -28,7 +28,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     fi
     .venv/bin/python -m pip install --quiet "$torch_spec"
   fi
-  .venv/bin/python -m pip install --quiet -e ".[$extras]"
+  if ! .venv/bin/python -m pip install --quiet -e ".[$extras]"; then
+    case ",$extras," in
+      *,ucx,*)  # ucxx publishes wheels for some platforms and Pythons only: go on without it
+        echo "pdflow setup: WARNING: installing the ucx extra failed; continuing without it" \
+             "(the ucx transport's tests will skip, saying ucxx is not installed)" >&2
+        .venv/bin/python -m pip install --quiet -e ".[test]" ;;
+      *) exit 1 ;;
+    esac
+  fi
   echo "$want" > "$stamp"
 fi
 
