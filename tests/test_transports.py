@@ -294,7 +294,6 @@ async def test_shm_sender_lost_between_begin_and_end() -> None:
     """A sender gone after BEGIN (mid-copy) gives a PeerDisconnected notice for that chunk."""
     import msgspec
 
-    from pdflow.messages import PROTOCOL_VERSION
     from pdflow.transports import shm_wire as wire
 
     async with transports.create("shm") as receiver:
@@ -303,8 +302,8 @@ async def test_shm_sender_lost_between_begin_and_end() -> None:
         sock.setblocking(False)
         with sock:
             await loop.sock_connect(sock, "\0" + receiver.address.removeprefix("shm://@"))
-            await loop.sock_sendall(sock, wire.HELLO.pack(wire.MAGIC, wire.WIRE_VERSION, PROTOCOL_VERSION))
-            assert await asyncio.wait_for(loop.sock_recv(sock, wire.HELLO.size), 10)
+            await loop.sock_sendall(sock, wire.GREETING.ours)
+            assert await asyncio.wait_for(loop.sock_recv(sock, len(wire.GREETING.ours)), 10)
             chunk, encoded = header(1, 0, b"never ends"), msgspec.msgpack.encode(header(1, 0, b"never ends"))
             segment = receiver._segments[1].id
             await loop.sock_sendall(sock, wire.OP.pack(wire.BEGIN, len(encoded), 1, segment) + encoded)

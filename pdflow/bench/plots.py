@@ -80,6 +80,12 @@ def plot_tbt_over_time(run: dict, path: Path) -> Path:
     return path
 
 
+def _slo(metrics: dict) -> str:
+    """``"TTFT 10000 ms, TBT 500 ms"``: the SLOs a run was judged by."""
+    return ", ".join(f"{name} {metrics[key]:g} ms" for name, key in (("TTFT", "slo_ttft_ms"), ("TBT", "slo_tbt_ms"))
+                     if metrics[key] is not None) or "none set"
+
+
 def plot_goodput(runs: list[dict], path: Path) -> Path:
     """Goodput and throughput (requests/s) against the offered request rate, one point per run."""
     plt = _pyplot()
@@ -88,10 +94,7 @@ def plot_goodput(runs: list[dict], path: Path) -> Path:
     ax.plot(rates, [run["metrics"]["request_throughput"] for run in runs], "o--", label="throughput")
     ax.plot(rates, [run["metrics"]["goodput"] for run in runs], "o-", label="goodput (met both SLOs)")
     ax.plot(rates, rates, ":", color="grey", label="offered rate")
-    m = runs[0]["metrics"]
-    slo = ", ".join(f"{name} {m[key]:g} ms" for name, key in (("TTFT", "slo_ttft_ms"), ("TBT", "slo_tbt_ms"))
-                    if m[key] is not None) or "none set"
-    ax.set_title(f"Goodput vs request rate (SLO: {slo})", fontsize=10)
+    ax.set_title(f"Goodput vs request rate (SLO: {_slo(runs[0]['metrics'])})", fontsize=10)
     ax.set_xlabel("request rate (requests/s)")
     ax.set_ylabel("requests/s")
     ax.grid(alpha=0.3)
@@ -121,9 +124,7 @@ def plot_compare(series: dict[str, list[dict]], path: Path) -> Path:
         ax.set_xlabel("request rate (requests/s)")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    m = next(iter(series.values()))[0]["metrics"]
-    slo = ", ".join(f"{name} {m[key]:g} ms" for name, key in (("TTFT", "slo_ttft_ms"), ("TBT", "slo_tbt_ms"))
-                    if m[key] is not None) or "none set"
+    slo = _slo(next(iter(series.values()))[0]["metrics"])
     fig.suptitle(f"Designs compared at equal request rates (SLO: {slo})", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -127,6 +127,14 @@ class Transport(ABC):
         self._regions: dict[int, memoryview] = {}
         self._notices: asyncio.Queue[Any] = asyncio.Queue()
         self._closed = False
+        self._address: str | None = None  # set by start()
+
+    def _settings(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """``self.options`` over ``defaults``; TypeError naming any option not in ``defaults``."""
+        unknown = set(self.options) - set(defaults)
+        if unknown:
+            raise TypeError(f"unknown {self.name} transport options {sorted(unknown)}; known: {sorted(defaults)}")
+        return {**defaults, **self.options}
 
     @abstractmethod
     async def start(self) -> None:
@@ -136,9 +144,11 @@ class Transport(ABC):
         """
 
     @property
-    @abstractmethod
     def address(self) -> str:
         """What a peer passes to :meth:`write`, e.g. ``tcp://127.0.0.1:5601``; valid after start()."""
+        if self._address is None:
+            raise TransportError(f"{self.name} transport not started: call start() first")
+        return self._address
 
     def register(self, region: int, buffer: Any) -> None:
         """Make ``buffer`` (writable, contiguous: bytearray, memoryview, numpy array, CPU torch

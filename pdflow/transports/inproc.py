@@ -46,7 +46,6 @@ class InProcTransport(Transport):
         if options:
             raise TypeError(f"inproc transport takes no options, got {sorted(options)}")
         super().__init__(host, port)
-        self._address: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
@@ -65,12 +64,6 @@ class InProcTransport(Transport):
 
     def _at(self, port: int) -> str:
         return f"inproc://{self.host}:{port}"
-
-    @property
-    def address(self) -> str:
-        if self._address is None:
-            raise TransportError("inproc transport not started: call start() first")
-        return self._address
 
     async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
         self._check_open()

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from pdflow.messages import PROTOCOL_VERSION, KvChunkHeader
+from pdflow.messages import KvChunkHeader
 from pdflow.transports import shm_wire as wire
 from pdflow.transports.base import (
     ChunkNotice,
@@ -51,7 +51,7 @@ from pdflow.transports.base import (
 )
 from pdflow.transports.shm_link import Link
 from pdflow.transports.shm_memory import STREAM, Segment, copy
-from pdflow.transports.sockets import Acceptor, listen_abstract_unix, recv_exact
+from pdflow.transports.sockets import Acceptor, listen_abstract_unix
 
 log = structlog.get_logger()
 
@@ -65,21 +65,17 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
-        unknown = set(options) - set(_OPTIONS)
-        if unknown:
-            raise TypeError(f"unknown shm transport options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
         super().__init__(host, port, **options)
-        self.timeout_s = float(options.get("timeout_s", _OPTIONS["timeout_s"]))
-        self.max_mappings = int(options.get("max_mappings", _OPTIONS["max_mappings"]))
-        self.thread_copy_bytes = int(options.get("thread_copy_bytes", _OPTIONS["thread_copy_bytes"]))
+        settings = self._settings(_OPTIONS)
+        self.timeout_s = float(settings["timeout_s"])
+        self.max_mappings = int(settings["max_mappings"])
+        self.thread_copy_bytes = int(settings["thread_copy_bytes"])
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
-        self._hello = wire.HELLO.pack(wire.MAGIC, wire.WIRE_VERSION, PROTOCOL_VERSION)
         self._links: dict[str, Link] = {}
         self._segments: dict[int, Segment] = {}
         self._last_segment = 0
         self._senders: dict[socket.socket, set[int]] = {}  # connection -> regions it asked about
-        self._address: str | None = None
         self._acceptor: Acceptor | None = None
 
     # --- regions ---------------------------------------------------------------------------
@@ -133,7 +129,7 @@ class ShmTransport(Transport):
                     if link.failure is not None and link.attempts > attempts:
                         # it failed while we queued: fail too rather than wait out a timeout each
                         raise type(link.failure)(*link.failure.args)
-                    await link.connect(self._hello)
+                    await link.connect()
                 await self._send_chunk(link, header, payload)
                 self._check_open()  # closed mid-copy: its END may not go out, so it did not land
             except BaseException as exc:
@@ -180,13 +176,7 @@ class ShmTransport(Transport):
         self._acceptor = Acceptor(listener, self._serve)
         log.info("kv.shm.listen", address=self._address)
 
-    @property
-    def address(self) -> str:
-        if self._address is None:
-            raise TransportError("shm transport not started: call start() first")
-        return self._address
-
-    async def _serve(self, conn: socket.socket, _: Any) -> None:
+    async def _serve(self, conn: socket.socket, _: str) -> None:
         """One sender: handshake, then its messages until it closes."""
         conn.setblocking(False)
         pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
@@ -198,7 +188,7 @@ class ShmTransport(Transport):
             if uid not in (os.getuid(), 0):
                 log.error("kv.shm.peer.rejected", peer=peer, uid=uid)
                 return
-            if not await self._handshake(conn, peer):
+            if not await wire.GREETING.answer(conn, peer):
                 return
             while True:
                 op = await inbox.take(wire.OP.size)
@@ -247,17 +237,6 @@ class ShmTransport(Transport):
         finally:
             self._senders.pop(conn, None)
             conn.close()
-
-    async def _handshake(self, conn: socket.socket, peer: str) -> bool:
-        hello = bytearray(wire.HELLO.size)
-        if await recv_exact(conn, memoryview(hello)) < wire.HELLO.size:
-            return False
-        await asyncio.get_running_loop().sock_sendall(conn, self._hello)
-        magic, version, protocol = wire.HELLO.unpack(hello)
-        if magic != wire.MAGIC or (version, protocol) != (wire.WIRE_VERSION, PROTOCOL_VERSION):
-            log.error("kv.shm.handshake.rejected", peer=peer, magic=bytes(magic), wire=version, protocol=protocol)
-            return False
-        return True
 
     def _answer(self, conn: socket.socket, region: int) -> None:
         """Reply to MAP: the region's memfd, or that it is private or unknown (never waits)."""

@@ -18,24 +18,20 @@ from typing import Any
 
 import structlog
 
-from pdflow.messages import PROTOCOL_VERSION
-from pdflow.transports.base import IncompatiblePeer, PeerDisconnected, PeerUnreachable
+from pdflow.transports.base import PeerDisconnected, PeerUnreachable
 from pdflow.transports.shm_memory import STREAM, Mappings, map_segment
 from pdflow.transports.shm_wire import (
     END_FRAME,
     GONE,
-    HELLO,
-    MAGIC,
+    GREETING,
     MAP,
     MAPPED,
     NONE,
     OP,
     PRIVATE,
-    WIRE_VERSION,
     send,
     socket_name,
 )
-from pdflow.transports.sockets import recv_exact
 
 log = structlog.get_logger()
 
@@ -73,7 +69,7 @@ class Link:
         self._inbox = bytearray()
         self._fds: deque[int] = deque()
 
-    async def connect(self, hello: bytes) -> None:
+    async def connect(self) -> None:
         """Connect and handshake within ``timeout_s`` (PeerUnreachable, IncompatiblePeer), then
         start reading what the receiver sends."""
         loop = asyncio.get_running_loop()
@@ -84,20 +80,13 @@ class Link:
                 self.sock = sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.setblocking(False)
                 await loop.sock_connect(sock, socket_name(self.address))
-                await loop.sock_sendall(sock, hello)
-                reply = bytearray(HELLO.size)
-                got = await recv_exact(sock, memoryview(reply))
+                await loop.sock_sendall(sock, GREETING.ours)
+                refused = await GREETING.check(sock)
         except (OSError, TimeoutError) as exc:
             reason = str(exc) or f"no answer within {self.timeout_s} s"
             raise self.fail(PeerUnreachable(f"cannot connect to {self.address}: {reason}")) from exc
-        if got < HELLO.size:
-            raise self.fail(PeerUnreachable(f"{self.address} closed the connection during the handshake"))
-        magic, wire, protocol = HELLO.unpack(reply)
-        if magic != MAGIC or (wire, protocol) != (WIRE_VERSION, PROTOCOL_VERSION):
-            raise self.fail(IncompatiblePeer(
-                f"{self.address} is not a pdflow shm endpoint of this version (magic {magic!r}, wire "
-                f"{wire}, protocol {protocol}; ours: wire {WIRE_VERSION}, protocol {PROTOCOL_VERSION})"
-            ))  # fmt: skip
+        if refused is not None:
+            raise self.fail(type(refused)(f"{self.address} {refused}"))
         self.reader = loop.create_task(self._read(sock))
         log.debug("kv.shm.conn.open", peer=self.address)
 

@@ -25,10 +25,11 @@ import socket
 import struct
 
 from pdflow.transports.base import PeerDisconnected
+from pdflow.transports.sockets import Greeting
 
 MAGIC = b"PDSM"
 WIRE_VERSION = 1
-HELLO = struct.Struct("!4sHH")  # magic, wire version, pdflow protocol version
+GREETING = Greeting(MAGIC, WIRE_VERSION, "shm")
 OP = struct.Struct("!BxxxIqQ")  # kind, header length, region, segment id; then the header
 MAP, CHUNK, BEGIN, END, SKIP = 1, 2, 3, 4, 5  # sender -> receiver
 MAPPED, PRIVATE, NONE, GONE = 11, 12, 13, 14  # receiver -> sender

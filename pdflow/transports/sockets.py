@@ -7,11 +7,16 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
+import struct
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
+
+from pdflow.messages import PROTOCOL_VERSION
+from pdflow.transports.base import IncompatiblePeer, PeerUnreachable
 
 log = structlog.get_logger("pdflow.transports")
 
@@ -62,6 +67,49 @@ async def recv_exact(sock: socket.socket, view: memoryview, hasher: Any = None) 
     return got
 
 
+_HELLO = struct.Struct("!4sHH")  # magic, wire version, pdflow protocol version
+
+
+@dataclass(frozen=True, slots=True)
+class Greeting:
+    """The HELLO both ends of a connection send first: the transport's magic, its wire version
+    and the pdflow protocol version. ``kind`` names the transport in errors."""
+
+    magic: bytes
+    wire_version: int
+    kind: str
+
+    @property
+    def ours(self) -> bytes:
+        return _HELLO.pack(self.magic, self.wire_version, PROTOCOL_VERSION)
+
+    async def check(self, sock: socket.socket) -> PeerUnreachable | None:
+        """Read the peer's HELLO: None when it matches ours, else why not (PeerUnreachable when
+        the peer closed first, IncompatiblePeer for another protocol or version). The message
+        reads after the peer's address."""
+        reply = bytearray(_HELLO.size)
+        if await recv_exact(sock, memoryview(reply)) < _HELLO.size:
+            return PeerUnreachable("closed the connection during the handshake")
+        magic, wire, protocol = _HELLO.unpack(reply)
+        if (magic, wire, protocol) != (self.magic, self.wire_version, PROTOCOL_VERSION):
+            return IncompatiblePeer(
+                f"is not a pdflow {self.kind} endpoint of this version (magic {magic!r}, wire {wire}, "
+                f"protocol {protocol}; ours: wire {self.wire_version}, protocol {PROTOCOL_VERSION})"
+            )
+        return None
+
+    async def answer(self, sock: socket.socket, peer: str) -> bool:
+        """The receiver's side: read the sender's HELLO, answer with ours (so that a sender of
+        another version learns which), and say whether the two match (logged when not)."""
+        refused = await self.check(sock)
+        if isinstance(refused, IncompatiblePeer):
+            await asyncio.get_running_loop().sock_sendall(sock, self.ours)
+            log.error("kv.handshake.rejected", transport=self.kind, peer=peer, reason=str(refused))
+        elif refused is None:
+            await asyncio.get_running_loop().sock_sendall(sock, self.ours)
+        return refused is None
+
+
 def listen_inet(host: str, port: int, receive_buffer: int = 0) -> socket.socket:
     """A non-blocking TCP socket listening on ``host:port`` (port 0: any free one).
     ``receive_buffer`` is set before listening, so accepted sockets inherit it before their
@@ -98,10 +146,10 @@ def _listening(sock: socket.socket) -> socket.socket:
 
 
 class Acceptor:
-    """Accepts connections on ``listener`` and runs ``serve(conn, peer_address)`` for each in a
-    task of its own, until :meth:`aclose`."""
+    """Accepts connections on ``listener`` and runs ``serve(conn, peer)`` for each in a task of
+    its own, until :meth:`aclose`; ``peer`` is ``"host:port"`` (empty for a Unix socket)."""
 
-    def __init__(self, listener: socket.socket, serve: Callable[[socket.socket, Any], Awaitable[None]]) -> None:
+    def __init__(self, listener: socket.socket, serve: Callable[[socket.socket, str], Awaitable[None]]) -> None:
         self.listener = listener
         self._serve = serve
         self._serving: set[asyncio.Task[None]] = set()
@@ -116,7 +164,8 @@ class Acceptor:
                 log.warning("kv.accept.failed", error=str(exc))
                 await asyncio.sleep(0.1)
                 continue
-            task = loop.create_task(self._serve(conn, peer))
+            peer_name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
+            task = loop.create_task(self._serve(conn, peer_name))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
 

@@ -32,10 +32,9 @@ import msgspec
 import structlog
 import xxhash
 
-from pdflow.messages import PROTOCOL_VERSION, KvChunkHeader
+from pdflow.messages import KvChunkHeader
 from pdflow.transports.base import (
     ChunkNotice,
-    IncompatiblePeer,
     PeerDisconnected,
     PeerUnreachable,
     Transport,
@@ -45,6 +44,7 @@ from pdflow.transports.base import (
 )
 from pdflow.transports.sockets import (
     Acceptor,
+    Greeting,
     address_of,
     listen_inet,
     recv_exact,
@@ -56,7 +56,7 @@ log = structlog.get_logger()
 
 MAGIC = b"PDKV"
 WIRE_VERSION = 1
-HELLO = struct.Struct("!4sHH")  # magic, wire version, pdflow protocol version
+GREETING = Greeting(MAGIC, WIRE_VERSION, "tcp")
 FRAME = struct.Struct("!4sHI")  # magic, wire version, header length; then header, payload
 _MAX_HEADER = 1 << 16
 _SCRATCH = 1 << 16
@@ -108,17 +108,12 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
-        unknown = set(options) - set(_OPTIONS)
-        if unknown:
-            raise TypeError(f"unknown tcp transport options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
         super().__init__(host, port, **options)
-        self.timeout_s = float(options.get("timeout_s", _OPTIONS["timeout_s"]))
-        self.buffer_bytes = int(options.get("buffer_bytes", _OPTIONS["buffer_bytes"]))
+        settings = self._settings(_OPTIONS)
+        self.timeout_s, self.buffer_bytes = float(settings["timeout_s"]), int(settings["buffer_bytes"])
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
-        self._hello = HELLO.pack(MAGIC, WIRE_VERSION, PROTOCOL_VERSION)
         self._links: dict[str, _Link] = {}
-        self._address: str | None = None
         self._acceptor: Acceptor | None = None
 
     def _tune(self, sock: socket.socket) -> None:
@@ -178,20 +173,13 @@ class TcpTransport(Transport):
                 if hasattr(socket, "TCP_USER_TIMEOUT"):  # a peer that stops acking: fail, don't hang
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.timeout_s * 1000))
                 await loop.sock_connect(sock, sockaddr)
-                await loop.sock_sendall(sock, self._hello)
-                reply = bytearray(HELLO.size)
-                got = await recv_exact(sock, memoryview(reply))
+                await loop.sock_sendall(sock, GREETING.ours)
+                refused = await GREETING.check(sock)
         except (OSError, TimeoutError) as exc:
             reason = str(exc) or f"no answer within {self.timeout_s} s"
             raise link.fail(PeerUnreachable(f"cannot connect to {address}: {reason}")) from exc
-        if got < HELLO.size:
-            raise link.fail(PeerUnreachable(f"{address} closed the connection during the handshake"))
-        magic, wire, protocol = HELLO.unpack(reply)
-        if magic != MAGIC or (wire, protocol) != (WIRE_VERSION, PROTOCOL_VERSION):
-            raise link.fail(IncompatiblePeer(
-                f"{address} is not a pdflow kv endpoint of this version (magic {magic!r}, wire "
-                f"{wire}, protocol {protocol}; ours: wire {WIRE_VERSION}, protocol {PROTOCOL_VERSION})"
-            ))  # fmt: skip
+        if refused is not None:
+            raise link.fail(type(refused)(f"{address} {refused}"))
         log.debug("kv.conn.open", peer=address)
 
     @staticmethod
@@ -219,19 +207,12 @@ class TcpTransport(Transport):
         self._acceptor = Acceptor(listener, self._serve)
         log.info("kv.listen", address=self.address)
 
-    @property
-    def address(self) -> str:
-        if self._address is None:
-            raise TransportError("tcp transport not started: call start() first")
-        return self._address
-
-    async def _serve(self, conn: socket.socket, peer_address: Any) -> None:
+    async def _serve(self, conn: socket.socket, peer: str) -> None:
         """One accepted connection: handshake, then frames until the sender closes."""
         self._tune(conn)
-        peer = f"{peer_address[0]}:{peer_address[1]}"
         header: KvChunkHeader | None = None
         try:
-            if not await self._handshake(conn, peer):
+            if not await GREETING.answer(conn, peer):
                 return
             prefix = bytearray(FRAME.size)
             while True:
@@ -263,17 +244,6 @@ class TcpTransport(Transport):
                 self._post(ChunkNotice(header, error, time.monotonic()))
         finally:
             conn.close()
-
-    async def _handshake(self, conn: socket.socket, peer: str) -> bool:
-        hello = bytearray(HELLO.size)
-        if await recv_exact(conn, memoryview(hello)) < HELLO.size:
-            return False
-        await asyncio.get_running_loop().sock_sendall(conn, self._hello)
-        magic, wire, protocol = HELLO.unpack(hello)
-        if magic != MAGIC or (wire, protocol) != (WIRE_VERSION, PROTOCOL_VERSION):
-            log.error("kv.handshake.rejected", peer=peer, magic=bytes(magic), wire=wire, protocol=protocol)
-            return False
-        return True
 
     async def _receive_payload(self, conn: socket.socket, peer: str, header: KvChunkHeader) -> None:
         if header.nbytes < 0:

@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from pdflow.messages import PROTOCOL_VERSION, KvChunkHeader
+from pdflow.messages import KvChunkHeader
 from pdflow.transports.base import (
     IncompatiblePeer,
     PeerDisconnected,
@@ -68,7 +68,7 @@ from pdflow.transports.sockets import (
 )
 from pdflow.transports.ucx_link import (
     FRAME,
-    HELLO,
+    GREETING,
     MAGIC,
     MAX_HEADER,
     PIECE,
@@ -107,20 +107,15 @@ class UcxTransport(Transport):
     name = "ucx"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
-        unknown = set(options) - set(_OPTIONS)
-        if unknown:
-            raise TypeError(f"unknown ucx transport options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
         super().__init__(host, port, **options)
-        self.timeout_s = float(options.get("timeout_s", _OPTIONS["timeout_s"]))
-        self.poll_s = float(options.get("poll_s", _OPTIONS["poll_s"]))
+        settings = self._settings(_OPTIONS)
+        self.timeout_s, self.poll_s = float(settings["timeout_s"]), float(settings["poll_s"])
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
-        self._hello = HELLO.pack(MAGIC, WIRE_VERSION, PROTOCOL_VERSION)
         self._worker: UcxWorker | None = None
         self._links: dict[str, _Link] = {}
         self._link_ids = itertools.count(1)
         self.scratch = bytearray(SCRATCH)
-        self._address: str | None = None
         self._acceptor: Acceptor | None = None
 
     def _ucx(self) -> UcxWorker:
@@ -186,19 +181,14 @@ class UcxTransport(Transport):
                 sock = socket.socket(family, socket.SOCK_STREAM)
                 tune(sock, self.timeout_s)
                 await loop.sock_connect(sock, sockaddr)
-                await loop.sock_sendall(sock, self._hello)
-                hello = bytearray(HELLO.size)
-                if await recv_exact(sock, memoryview(hello)) < HELLO.size:
-                    raise ConnectionError("closed during the handshake")
-                magic, wire, protocol = HELLO.unpack(hello)
-                if magic != MAGIC or (wire, protocol) != (WIRE_VERSION, PROTOCOL_VERSION):
+                await loop.sock_sendall(sock, GREETING.ours)
+                refused = await GREETING.check(sock)
+                if isinstance(refused, IncompatiblePeer):
                     sock.close()
-                    link.failure = IncompatiblePeer(
-                        f"{address} is not a pdflow ucx endpoint of this version (magic {magic!r}, "
-                        f"wire {wire}, protocol {protocol}; ours: wire {WIRE_VERSION}, protocol "
-                        f"{PROTOCOL_VERSION})"
-                    )
+                    link.failure = IncompatiblePeer(f"{address} {refused}")
                     raise link.failure
+                if refused is not None:
+                    raise ConnectionError("closed during the handshake")
                 welcome = bytearray(WELCOME.size)
                 if await recv_exact(sock, memoryview(welcome)) < WELCOME.size:
                     raise ConnectionError("closed during the handshake")
@@ -228,16 +218,9 @@ class UcxTransport(Transport):
         self._acceptor = Acceptor(listener, self._serve)
         log.info("kv.listen", address=self._address)
 
-    @property
-    def address(self) -> str:
-        if self._address is None:
-            raise TransportError("ucx transport not started: call start() first")
-        return self._address
-
-    async def _serve(self, sock: socket.socket, peer_address: Any) -> None:
+    async def _serve(self, sock: socket.socket, peer: str) -> None:
         """One link: handshake, then chunks (taken in by an ``Inbound``) until the link ends."""
         tune(sock, self.timeout_s)
-        peer = f"{peer_address[0]}:{peer_address[1]}"
         conn: Conn | None = None
         inbound: Inbound | None = None
         try:
@@ -257,17 +240,10 @@ class UcxTransport(Transport):
 
     async def _handshake(self, sock: socket.socket, peer: str) -> int | None:
         """The link id, or None when the peer is not a pdflow ucx sender of this version."""
-        hello = bytearray(HELLO.size)
-        if await recv_exact(sock, memoryview(hello)) < HELLO.size:
-            return None
-        loop = asyncio.get_running_loop()
-        await loop.sock_sendall(sock, self._hello)
-        magic, wire, protocol = HELLO.unpack(hello)
-        if magic != MAGIC or (wire, protocol) != (WIRE_VERSION, PROTOCOL_VERSION):
-            log.error("kv.handshake.rejected", peer=peer, magic=bytes(magic), wire=wire, protocol=protocol)
+        if not await GREETING.answer(sock, peer):
             return None
         link_id, address = next(self._link_ids), self._ucx().address
-        await loop.sock_sendall(sock, WELCOME.pack(link_id, len(address)) + address)
+        await asyncio.get_running_loop().sock_sendall(sock, WELCOME.pack(link_id, len(address)) + address)
         log.debug("kv.conn.open", peer=peer, link=link_id)
         return link_id
 

@@ -22,6 +22,7 @@ import xxhash
 
 from pdflow.messages import KvChunkHeader
 from pdflow.transports.base import ChunkNotice, PeerDisconnected, TransportError
+from pdflow.transports.sockets import Greeting
 from pdflow.transports.ucx_worker import UCXError, UCXMessageTruncatedError, UcxWorker
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ log = structlog.get_logger()
 
 MAGIC = b"PDUX"
 WIRE_VERSION = 1
-HELLO = struct.Struct("!4sHH")  # magic, wire version, pdflow protocol version
+GREETING = Greeting(MAGIC, WIRE_VERSION, "ucx")
 WELCOME = struct.Struct("!QH")  # link id, worker address length; then the worker address
 FRAME = struct.Struct("!4sHI")  # magic, wire version, header length; then the msgpack header
 MAX_HEADER = 1 << 16

@@ -106,11 +106,10 @@ class VerbsTransport(Transport):
     name = "verbs"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
-        if unknown := set(options) - set(_OPTIONS):
-            raise TypeError(f"unknown verbs transport options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
         super().__init__(host, port, **options)
-        self.timeout_s, self.gid_index = float(options.get("timeout_s", 30.0)), int(options.get("gid_index", 0))
-        self.ctx = Context(name=options.get("device") or get_device_list()[0].name.decode())
+        settings = self._settings(_OPTIONS)
+        self.timeout_s, self.gid_index = float(settings["timeout_s"]), int(settings["gid_index"])
+        self.ctx = Context(name=settings["device"] or get_device_list()[0].name.decode())
         self.pd, self.cq = PD(self.ctx), CQ(self.ctx, 4 * RECV_WRS)
         self.port_attr, self.gid = self.ctx.query_port(PORT), self.ctx.query_gid(PORT, self.gid_index)
         self._mrs: dict[int, MR] = {}
@@ -120,7 +119,6 @@ class VerbsTransport(Transport):
         self._sends: dict[int, asyncio.Future[None]] = {}  # by work request id (>= SEND_IDS)
         self._send_ids, self._dialing = itertools.count(SEND_IDS), asyncio.Lock()
         self._acceptor: Acceptor | None = None
-        self._address: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._poller: asyncio.Task[None] | None = None  # polls the CQ for both directions
 
@@ -262,16 +260,9 @@ class VerbsTransport(Transport):
             self._acceptor = Acceptor(listener, self._serve)
             self._poller = self._poller or self._spawn(self._poll_cq())
 
-    @property
-    def address(self) -> str:
-        if self._address is None:
-            raise TransportError("verbs transport not started: call start() first")
-        return self._address
-
-    async def _serve(self, sock: socket.socket, peer_address: Any) -> None:
+    async def _serve(self, sock: socket.socket, peer: str) -> None:
         """Handshake, then header frames until the sender goes; payloads land via the CQ."""
         sock.setblocking(False)
-        peer = f"{peer_address[0]}:{peer_address[1]}"
         link, decoder = None, msgspec.msgpack.Decoder(KvChunkHeader)
         try:
             qp = await self._link_up(sock, receiving=True)
