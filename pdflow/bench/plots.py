@@ -24,6 +24,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _cdf(ax, values_ms: list[float], label: str) -> None:
     xs = sorted(values_ms)
     if xs:
@@ -50,10 +57,7 @@ def plot_cdfs(runs: list[dict], path: Path) -> Path:
         ax.set_ylabel("fraction of samples")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_tbt_over_time(run: dict, path: Path) -> Path:
@@ -74,10 +78,7 @@ def plot_tbt_over_time(run: dict, path: Path) -> Path:
     ax.set_xlabel("time since the run started (s)")
     ax.set_ylabel("gap (ms)")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _slo(metrics: dict) -> str:
@@ -99,10 +100,7 @@ def plot_goodput(runs: list[dict], path: Path) -> Path:
     ax.set_ylabel("requests/s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_compare(series: dict[str, list[dict]], path: Path) -> Path:
@@ -126,10 +124,7 @@ def plot_compare(series: dict[str, list[dict]], path: Path) -> Path:
         ax.legend(fontsize=8)
     slo = _slo(next(iter(series.values()))[0]["metrics"])
     fig.suptitle(f"Designs compared at equal request rates (SLO: {slo})", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_all(runs: list[dict], directory: Path) -> list[Path]:

@@ -20,8 +20,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import structlog
+
 from pdflow.checksum import checksum
 from pdflow.messages import KvChunkHeader
+
+log = structlog.get_logger()
 
 
 class TransportError(Exception):
@@ -240,6 +244,16 @@ class Transport(ABC):
         if not self._closed:
             self._closed = True
             self._notices.put_nowait(_CLOSED)
+
+    def _write_error(self, exc: BaseException, address: str) -> BaseException:
+        """What a write that failed with ``exc`` raises: TransportClosed when the transport was
+        closed meanwhile, PeerDisconnected for a socket error (logged), else ``exc`` itself."""
+        if self._closed and isinstance(exc, (OSError, TransportError)):
+            return TransportClosed(f"{self.name} transport closed while writing to {address}")
+        if isinstance(exc, OSError):
+            log.warning("kv.conn.lost", transport=self.name, peer=address, error=str(exc))
+            return PeerDisconnected(f"lost connection to {address}: {exc}")
+        return exc
 
     def _post(self, notice: ChunkNotice) -> None:
         if not self._closed:

@@ -44,14 +44,13 @@ from pdflow.transports.base import (
     ChunkNotice,
     PeerDisconnected,
     Transport,
-    TransportClosed,
     TransportError,
     UnknownRegion,
     byte_view,
 )
 from pdflow.transports.shm_link import Link
 from pdflow.transports.shm_memory import STREAM, Segment, copy
-from pdflow.transports.sockets import Acceptor, listen_abstract_unix
+from pdflow.transports.sockets import Acceptor, listen_abstract_unix, send_gathered
 
 log = structlog.get_logger()
 
@@ -134,12 +133,9 @@ class ShmTransport(Transport):
                 self._check_open()  # closed mid-copy: its END may not go out, so it did not land
             except BaseException as exc:
                 link.close()
-                if self._closed and isinstance(exc, (OSError, TransportError)):
-                    raise TransportClosed(f"shm transport closed while writing to {address}") from exc
-                if isinstance(exc, OSError):
-                    log.warning("kv.shm.conn.lost", peer=address, error=str(exc))
-                    raise PeerDisconnected(f"lost connection to {address}: {exc}") from exc
-                raise
+                if (error := self._write_error(exc, address)) is exc:
+                    raise
+                raise error from exc
             finally:
                 if self._closed:
                     link.close()
@@ -153,14 +149,14 @@ class ShmTransport(Transport):
             return wire.OP.pack(kind, len(encoded), header.region, segment)
 
         if target is STREAM:
-            await wire.send(sock, link.frame(op(wire.CHUNK) + encoded), payload)
+            await send_gathered(sock, link.frame(op(wire.CHUNK) + encoded), payload)
             return
         end = header.offset + header.nbytes
         if target is None or header.offset < 0 or end > target[1].nbytes:
-            await wire.send(sock, link.frame(op(wire.SKIP) + encoded))
+            await send_gathered(sock, link.frame(op(wire.SKIP) + encoded))
             return
         segment, view = target
-        await wire.send(sock, link.frame(op(wire.BEGIN, segment) + encoded))
+        await send_gathered(sock, link.frame(op(wire.BEGIN, segment) + encoded))
         await copy(view[header.offset : end], payload, self.thread_copy_bytes)  # the one copy
         link.ended()
 

@@ -29,9 +29,9 @@ from pdflow.transports.shm_wire import (
     NONE,
     OP,
     PRIVATE,
-    send,
     socket_name,
 )
+from pdflow.transports.sockets import send_gathered
 
 log = structlog.get_logger()
 
@@ -99,7 +99,7 @@ class Link:
             return target
         self.reply = asyncio.get_running_loop().create_future()
         try:
-            await send(self.sock, self.frame(OP.pack(MAP, 0, region, 0)))  # type: ignore[arg-type]
+            await send_gathered(self.sock, self.frame(OP.pack(MAP, 0, region, 0)))  # type: ignore[arg-type]
             async with asyncio.timeout(self.timeout_s):
                 kind, answered, segment, fd = await self.reply
         except TimeoutError:

@@ -56,20 +56,6 @@ def name_for(host: str | None, port: int | None) -> str:
     return host if host and host != "localhost" else f"pdflow-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-async def send(sock: socket.socket, head: bytes, payload: memoryview | None = None) -> None:
-    """``head`` then ``payload``, gathered by the kernel from both buffers (no joining)."""
-    try:
-        sent = sock.sendmsg([head] if payload is None else [head, payload])
-    except BlockingIOError:
-        sent = 0
-    loop = asyncio.get_running_loop()
-    if sent < len(head):
-        await loop.sock_sendall(sock, memoryview(head)[sent:])
-        sent = len(head)
-    if payload is not None and sent - len(head) < payload.nbytes:
-        await loop.sock_sendall(sock, payload[sent - len(head) :])
-
-
 class Inbox:
     """What a receiver reads from one sender, buffered: one recv brings many doorbells; a
     streamed payload goes straight into its span (only bytes already read ahead are copied)."""

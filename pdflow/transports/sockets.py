@@ -67,6 +67,21 @@ async def recv_exact(sock: socket.socket, view: memoryview, hasher: Any = None) 
     return got
 
 
+async def send_gathered(sock: socket.socket, head: bytes, payload: memoryview | None = None) -> None:
+    """``head`` then ``payload``, gathered by the kernel from both buffers (no joining, no copy in
+    Python): one ``sendmsg`` tried at once, then ``sock_sendall`` of whatever is left."""
+    try:
+        sent = sock.sendmsg([head] if payload is None else [head, payload])
+    except BlockingIOError:
+        sent = 0
+    loop = asyncio.get_running_loop()
+    if sent < len(head):
+        await loop.sock_sendall(sock, memoryview(head)[sent:])
+        sent = len(head)
+    if payload is not None and sent - len(head) < payload.nbytes:
+        await loop.sock_sendall(sock, payload[sent - len(head) :])
+
+
 _HELLO = struct.Struct("!4sHH")  # magic, wire version, pdflow protocol version
 
 

@@ -38,7 +38,6 @@ from pdflow.transports.base import (
     PeerDisconnected,
     PeerUnreachable,
     Transport,
-    TransportClosed,
     TransportError,
     byte_view,
 )
@@ -49,6 +48,7 @@ from pdflow.transports.sockets import (
     listen_inet,
     recv_exact,
     resolve,
+    send_gathered,
     split_address,
 )
 
@@ -146,15 +146,12 @@ class TcpTransport(Transport):
                         # it failed while we queued: fail too rather than wait out a timeout each
                         raise type(link.failure)(*link.failure.args)
                     await self._connect(address, link)
-                await self._send(link.sock, head, payload)  # type: ignore[arg-type]
+                await send_gathered(link.sock, head, payload)  # type: ignore[arg-type]
             except BaseException as exc:
                 link.close()
-                if self._closed and isinstance(exc, (OSError, TransportError)):
-                    raise TransportClosed(f"tcp transport closed while writing to {address}") from exc
-                if isinstance(exc, OSError):
-                    log.warning("kv.conn.lost", peer=address, error=str(exc))
-                    raise PeerDisconnected(f"lost connection to {address}: {exc}") from exc
-                raise
+                if (error := self._write_error(exc, address)) is exc:
+                    raise
+                raise error from exc
             finally:
                 if self._closed:
                     link.close()
@@ -181,20 +178,6 @@ class TcpTransport(Transport):
         if refused is not None:
             raise link.fail(type(refused)(f"{address} {refused}"))
         log.debug("kv.conn.open", peer=address)
-
-    @staticmethod
-    async def _send(sock: socket.socket, head: bytes, payload: memoryview) -> None:
-        """Framed header + payload, gathered by the kernel from both buffers (no joining)."""
-        try:
-            sent = sock.sendmsg([head, payload])
-        except BlockingIOError:
-            sent = 0
-        loop = asyncio.get_running_loop()
-        if sent < len(head):
-            await loop.sock_sendall(sock, memoryview(head)[sent:])
-            sent = len(head)
-        if sent - len(head) < payload.nbytes:
-            await loop.sock_sendall(sock, payload[sent - len(head) :])
 
     # --- receiving -------------------------------------------------------------------------
 
