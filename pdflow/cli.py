@@ -99,7 +99,7 @@ def _bench(args) -> int:
 
 
 def _load(path: str):
-    from pdflow.topology import TopologyError, load_topology
+    from pdflow.config.topology import TopologyError, load_topology
 
     try:
         return load_topology(path)
@@ -129,7 +129,7 @@ def _validate(args) -> int:
 def _run(args) -> int:
     import uvloop
 
-    from pdflow.launcher import Launcher
+    from pdflow.runtime.launcher import Launcher
     from pdflow.log import configure_logging
     from pdflow.models import ModelError, resolve
 

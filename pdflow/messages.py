@@ -219,7 +219,7 @@ class KvChunkHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Describes one chunk of KV bytes on the data plane.
 
     The payload is written into the receiver's registered ``region`` at ``offset``; ``checksum``
-    is the xxh3-64 of the payload (:func:`pdflow.kv_layout.checksum`), verified on arrival.
+    is the xxh3-64 of the payload (:func:`pdflow.kv.layout.checksum`), verified on arrival.
     """
 
     request_id: str

@@ -8,9 +8,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from pdflow.bus import Bus, make_socket
+from pdflow.runtime.bus import Bus, make_socket
 from pdflow.messages import PROTOCOL_VERSION, Cancel, Hello, encoder
-from pdflow.topology import parse_topology
+from pdflow.config.topology import parse_topology
 from pdflow.testing.server import free_port_base, topology_text
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pdflow.detokenizer import IncrementalDetokenizer
-from pdflow.stop_strings import StopStringMatcher
+from pdflow.serving.detokenizer import IncrementalDetokenizer
+from pdflow.serving.stop_strings import StopStringMatcher
 
 FALLBACK_DIR = Path("/root/.cache/pdflow/models/smollm2-manual")
 

@@ -1,4 +1,4 @@
-"""pdflow.kv_layout: offsets and sizes of one request's KV buffer, views into it, the chunk checksum."""
+"""pdflow.kv.layout: offsets and sizes of one request's KV buffer, views into it, the chunk checksum."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import xxhash
 
-from pdflow.kv_layout import KEYS, VALUES, KvLayout, checksum, dtype_name, torch_dtype
+from pdflow.kv.layout import KEYS, VALUES, KvLayout, checksum, dtype_name, torch_dtype
 
 # SmolLM2-135M: 30 layers, 9 attention heads of 64 over a hidden size of 576, 3 KV heads.
 SMOLLM2 = KvLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")

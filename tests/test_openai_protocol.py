@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdflow.openai_protocol import (
+from pdflow.serving.openai_protocol import (
     ApiError, chat_chunk, chat_response, completion_chunk, completion_response, error_body,
     new_request_id, parse_chat_request, parse_completion_request, sampling_from, sse, usage_chunk,
 )

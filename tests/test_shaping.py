@@ -14,7 +14,7 @@ import pytest
 
 from pdflow import transports
 from pdflow.testing.transport_conformance import CHECKS, Unsupported, header, local_harness
-from pdflow.topology import TopologyError, parse_topology
+from pdflow.config.topology import TopologyError, parse_topology
 from pdflow.transports.shaping import (
     ShapedTransport,
     TokenBucket,

@@ -1,4 +1,4 @@
-"""pdflow.topology: the default file, defaults, model paths, and an error for every kind of bad file."""
+"""pdflow.config.topology: the default file, defaults, model paths, and an error for every kind of bad file."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pdflow.toml_lines import LineMap
-from pdflow.topology import STAGE_NAMES, Limits, Topology, TopologyError, load_topology, parse_topology
+from pdflow.config.toml_lines import LineMap
+from pdflow.config.topology import STAGE_NAMES, Limits, Topology, TopologyError, load_topology, parse_topology
 
 REPO = Path(__file__).parents[1]
 

@@ -4,7 +4,7 @@ A receiver process (:mod:`pdflow.bench.transfer_peer`) lands chunks and stamps e
 sender, in this process, writes *rounds* of chunks of each workload through each transport, one
 awaited ``write()`` after another, as prefill does. The workloads: one request's KV for SmolLM2
 (30 layers, 3 KV heads, head_dim 64, float32: a keys and a values chunk per layer, laid out by
-:class:`~pdflow.kv_layout.KvLayout`) at 512, 2K and 8K tokens, and raw 64 KiB, 1 MiB and 16 MiB
+:class:`~pdflow.kv.layout.KvLayout`) at 512, 2K and 8K tokens, and raw 64 KiB, 1 MiB and 16 MiB
 chunks (``--round-bytes`` of them per round). Beside every transport, from the same run and the
 same chunks:
 

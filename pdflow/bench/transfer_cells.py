@@ -44,7 +44,7 @@ class Workload:
 
 
 def workloads(tokens: tuple[int, ...], raw_sizes: tuple[int, ...], round_bytes: int) -> list[Workload]:
-    from pdflow.kv_layout import KEYS, VALUES, KvLayout
+    from pdflow.kv.layout import KEYS, VALUES, KvLayout
 
     layout = KvLayout(**SMOLLM2)
     found = []
@@ -182,7 +182,7 @@ class Source:
     def of(cls, workload: Workload, seed: int = 0) -> Source:
         import numpy as np
 
-        from pdflow.checksum import checksum
+        from pdflow.kv.checksum import checksum
         from pdflow.messages import KvChunkHeader
 
         data = np.frombuffer(np.random.default_rng(seed).bytes(workload.region_bytes), np.uint8)

@@ -11,7 +11,7 @@ import torch
 from pdflow.engine.forward import logits_of_last_token
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler
-from pdflow.kv_layout import torch_dtype
+from pdflow.kv.layout import torch_dtype
 
 
 class AccumulatingCache:

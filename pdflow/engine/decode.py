@@ -26,7 +26,7 @@ import torch
 from pdflow.engine.forward import logits_of_last_token
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler, sample_batch
-from pdflow.kv_layout import torch_dtype
+from pdflow.kv.layout import torch_dtype
 
 _CAPACITY_STEP = 256
 _RESERVE_MAX = 1024  # output tokens a joining sequence reserves room for, at most

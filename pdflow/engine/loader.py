@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pdflow.kv_layout import KvLayout, torch_dtype
+from pdflow.kv.layout import KvLayout, torch_dtype
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at run time
 

@@ -27,7 +27,7 @@ from pdflow.messages import (
     StopRequest,
     Tokens,
 )
-from pdflow.stage import Stage
+from pdflow.runtime.stage import Stage
 
 
 @dataclass(slots=True, eq=False)

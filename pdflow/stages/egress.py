@@ -10,11 +10,11 @@ import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdflow.detokenizer import IncrementalDetokenizer
+from pdflow.serving.detokenizer import IncrementalDetokenizer
 from pdflow.engine import load_tokenizer
 from pdflow.messages import Cancel, EgressRequest, StopRequest, TextDelta, Tokens
-from pdflow.stage import Stage
-from pdflow.stop_strings import StopStringMatcher
+from pdflow.runtime.stage import Stage
+from pdflow.serving.stop_strings import StopStringMatcher
 
 _FINISHED_MEMORY = 10_000
 

@@ -1,5 +1,5 @@
 """ingress: the HTTP front door. Validates, tokenizes, picks a replica of every stage, sends the
-work out, and waits for egress's text (the HTTP endpoints themselves are in ``pdflow.http_api``).
+work out, and waits for egress's text (the HTTP endpoints themselves are in ``pdflow.serving.http_api``).
 
 It is also the one place that knows which requests went through which replica, so when the
 launcher says a replica died, ingress fails those requests at once and cancels them everywhere.
@@ -31,8 +31,8 @@ from pdflow.messages import (
     StageUp,
     TextDelta,
 )
-from pdflow.openai_protocol import ApiError
-from pdflow.stage import Stage
+from pdflow.serving.openai_protocol import ApiError
+from pdflow.runtime.stage import Stage
 
 _TIMELINES_KEPT = 1000
 _ROUTED = {"disaggregated": ("prefill", "kv_shuttle", "decode", "egress"), "colocated": ("worker", "egress")}
@@ -66,7 +66,7 @@ class IngressStage(Stage):
     name = "ingress"
 
     async def setup(self) -> None:
-        from pdflow.http_api import build_app
+        from pdflow.serving.http_api import build_app
 
         model_dir = self.ctx.model_dir
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)

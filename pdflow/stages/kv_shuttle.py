@@ -15,9 +15,9 @@ import torch
 from transformers import AutoConfig
 
 from pdflow import transports
-from pdflow.kv_layout import KvLayout
+from pdflow.kv.layout import KvLayout
 from pdflow.messages import Cancel, KvChunkHeader, KvDestination, KvExpected, KvReleased, RequestFailed
-from pdflow.stage import Stage
+from pdflow.runtime.stage import Stage
 
 POOL_BYTES = 8 << 30  # the pool's budget; a request beyond it is refused
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pdflow import transports
 from pdflow.engine import Sampler, load_model, prefill
 from pdflow.engine.stopping import finish_reason
-from pdflow.kv_layout import KEYS, VALUES, checksum
+from pdflow.kv.layout import KEYS, VALUES, checksum
 from pdflow.messages import (
     Cancel,
     KvChunkHeader,
@@ -24,7 +24,7 @@ from pdflow.messages import (
     RequestFailed,
     Tokens,
 )
-from pdflow.stage import Stage
+from pdflow.runtime.stage import Stage
 
 
 class PrefillStage(Stage):

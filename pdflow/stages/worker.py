@@ -22,7 +22,7 @@ from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.chunked import ChunkedPrefill
 from pdflow.engine.stopping import after_decode_step, finish_reason
 from pdflow.messages import Cancel, PrefillRequest, StopRequest, Tokens
-from pdflow.stage import Stage
+from pdflow.runtime.stage import Stage
 
 
 class WorkerStage(Stage):

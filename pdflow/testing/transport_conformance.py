@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from pdflow.kv_layout import checksum
+from pdflow.kv.layout import checksum
 from pdflow.messages import KvChunkHeader
 from pdflow.transports import (
     ChecksumMismatch,

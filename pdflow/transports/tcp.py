@@ -240,7 +240,7 @@ class TcpTransport(Transport):
                     raise PeerDisconnected(f"{peer} closed mid-payload")
             self._post(ChunkNotice(header, span, time.monotonic()))
         else:
-            hasher = xxhash.xxh3_64()  # = pdflow.checksum.checksum, fed as the bytes land
+            hasher = xxhash.xxh3_64()  # = pdflow.kv.checksum.checksum, fed as the bytes land
             if await recv_exact(conn, span, hasher) < header.nbytes:
                 raise PeerDisconnected(f"{peer} closed mid-payload")
             self._post(self._landed(header, span, hasher.intdigest()))

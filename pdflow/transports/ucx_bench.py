@@ -32,7 +32,7 @@ import time
 import msgspec
 import structlog
 
-from pdflow.checksum import checksum
+from pdflow.kv.checksum import checksum
 from pdflow.messages import KvChunkHeader
 from pdflow.transports.ucx import UcxTransport
 from pdflow.transports.ucx_worker import UcxWorker

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pdflow.toml_lines import LineMap
-from pdflow.toml_reader import TableReader, TopologyError, describe, syntax_error
-from pdflow.topology_checks import check_ports, known_models, transport_problem
+from pdflow.config.toml_lines import LineMap
+from pdflow.config.toml_reader import TableReader, TopologyError, describe, syntax_error
+from pdflow.config.checks import check_ports, known_models, transport_problem
 
 __all__ = [
     "STAGE_NAMES", "DTYPES", "ModelConfig", "ServerConfig", "ControlConfig", "Limits", "EngineConfig",

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 import structlog
 
-from pdflow.bus import Bus
+from pdflow.runtime.bus import Bus
 from pdflow.messages import PROTOCOL_VERSION, Heartbeat, Ready, StageDown, StageStatus, StageUp
-from pdflow.topology import StageConfig, Topology
+from pdflow.config.topology import StageConfig, Topology
 
 Handler = Callable[[Any], Awaitable[None] | None]
 

@@ -21,7 +21,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from pdflow.bus import make_socket
+from pdflow.runtime.bus import make_socket
 from pdflow.messages import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -33,8 +33,8 @@ from pdflow.messages import (
     decoder,
     encoder,
 )
-from pdflow.stage_process import StageLaunch, main as stage_main
-from pdflow.topology import Topology
+from pdflow.runtime.process import StageLaunch, main as stage_main
+from pdflow.config.topology import Topology
 
 log = structlog.get_logger()
 _TICK_S = 0.1

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from pdflow.messages import PROTOCOL_VERSION, Hello, ProtocolMismatch, check_hello, decoder, encoder
-from pdflow.topology import Topology
+from pdflow.config.topology import Topology
 
 log = structlog.get_logger()
 

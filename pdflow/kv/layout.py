@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdflow.checksum import checksum
+from pdflow.kv.checksum import checksum
 
 __all__ = ["KEYS", "VALUES", "KvLayout", "checksum", "dtype_name", "torch_dtype"]
 

@@ -47,7 +47,7 @@ def main(launch: StageLaunch) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the stage installs its own handlers
     from pdflow.log import configure_logging
-    from pdflow.topology import load_topology
+    from pdflow.config.topology import load_topology
 
     topology = load_topology(launch.topology_path)
     config = topology.stages[launch.stage]
@@ -66,7 +66,7 @@ def main(launch: StageLaunch) -> None:
         _pin(config.cores)
         import uvloop
 
-        from pdflow.stage import StageContext
+        from pdflow.runtime.stage import StageContext
         from pdflow.stages import load_stage
 
         stage_cls = load_stage(launch.stage)
@@ -92,7 +92,7 @@ def _report_failure(topology, launch: StageLaunch, error: str) -> None:
     """Tell the launcher why we die (best effort: the launcher also sees the exit code)."""
     import zmq
 
-    from pdflow.bus import make_socket
+    from pdflow.runtime.bus import make_socket
     from pdflow.messages import StageFailed, encoder
 
     ctx = zmq.Context()

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdflow.toml_reader import TableReader
-    from pdflow.topology import Topology
+    from pdflow.config.toml_reader import TableReader
+    from pdflow.config.topology import Topology
 
 _BUILTIN_MODELS = frozenset({"smollm2"})
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]"})

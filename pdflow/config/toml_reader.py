@@ -1,7 +1,7 @@
 """Typed reads from a decoded TOML document, with errors that name the file, line and key.
 
 :class:`TableReader` does the checks every config section needs (unknown keys with a "did you
-mean" hint, types, ranges, choices) so that :mod:`pdflow.topology` only states *what* it expects.
+mean" hint, types, ranges, choices) so that :mod:`pdflow.config.topology` only states *what* it expects.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from pdflow.toml_lines import LineMap
+from pdflow.config.toml_lines import LineMap
 
 
 class TopologyError(Exception):

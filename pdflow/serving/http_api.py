@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdflow import __version__
 from pdflow.messages import RequestFailed, SamplingParams, TextDelta
-from pdflow.openai_protocol import (
+from pdflow.serving.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
