@@ -10,14 +10,20 @@ described by a :class:`KvChunkHeader`.
 
 from __future__ import annotations
 
+from typing import Union
+
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: generic routes, plug-in message types, the version on every frame
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
-class _Message(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=True):
-    pass
+class Message(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=True):
+    """The base of every control-plane message, built-in or a plug-in stage's own.
+
+    A plug-in stage declares its message types in ``Stage.messages``; the bus's typed decoders are
+    built from the built-in types plus those, so the class name (the tag) must be unique.
+    """
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -33,19 +39,19 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class Route(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """Which replica of each stage serves one request (chosen by ingress)."""
+    """Which replica of each stage serves one request (chosen by ingress's router), by stage name."""
 
-    ingress: int = 0
-    prefill: int = 0
-    shuttle: int = 0
-    decode: int = 0
-    egress: int = 0
+    replicas: dict[str, int] = {}
+
+    def of(self, stage: str) -> int:
+        """The replica of ``stage`` on this route (0 for a stage the route does not name)."""
+        return self.replicas.get(stage, 0)
 
 
 # --- the life of one request ---------------------------------------------------------------
 
 
-class PrefillRequest(_Message):
+class PrefillRequest(Message):
     """ingress -> prefill: compute the prompt's KV and the first token."""
 
     request_id: str
@@ -54,7 +60,7 @@ class PrefillRequest(_Message):
     route: Route
 
 
-class KvExpected(_Message):
+class KvExpected(Message):
     """ingress -> kv-shuttle: a request's KV is coming; reserve room for it in the pool."""
 
     request_id: str
@@ -62,7 +68,7 @@ class KvExpected(_Message):
     route: Route
 
 
-class DecodeRequest(_Message):
+class DecodeRequest(Message):
     """ingress -> decode: register memory for this request's KV, then decode once it lands."""
 
     request_id: str
@@ -71,7 +77,7 @@ class DecodeRequest(_Message):
     route: Route
 
 
-class EgressRequest(_Message):
+class EgressRequest(Message):
     """ingress -> egress: how to turn this request's tokens into text for the client."""
 
     request_id: str
@@ -82,7 +88,7 @@ class EgressRequest(_Message):
     route: Route = Route()
 
 
-class KvDestination(_Message):
+class KvDestination(Message):
     """Receiver -> sender: write this request's KV into ``region`` at ``address``.
 
     kv-shuttle sends it to prefill (a region of its pool); decode sends it to kv-shuttle
@@ -95,7 +101,7 @@ class KvDestination(_Message):
     nbytes: int
 
 
-class PrefillDone(_Message):
+class PrefillDone(Message):
     """prefill -> decode: every layer is sent; ``first_token`` is the token to feed next."""
 
     request_id: str
@@ -104,13 +110,13 @@ class PrefillDone(_Message):
     timeline: dict[str, list[float]] = {}
 
 
-class KvReleased(_Message):
+class KvReleased(Message):
     """decode -> kv-shuttle: the request's KV is in decode's cache; free the pool region."""
 
     request_id: str
 
 
-class Tokens(_Message):
+class Tokens(Message):
     """prefill/decode -> egress: new tokens of one request, ``index`` of the first in the output."""
 
     request_id: str
@@ -120,7 +126,7 @@ class Tokens(_Message):
     timeline: dict[str, list[float]] = {}
 
 
-class TextDelta(_Message):
+class TextDelta(Message):
     """egress -> ingress: new text for the client."""
 
     request_id: str
@@ -130,7 +136,7 @@ class TextDelta(_Message):
     timeline: dict[str, list[float]] = {}
 
 
-class RequestFailed(_Message):
+class RequestFailed(Message):
     """any stage -> ingress: this request cannot finish; answer the client with an error."""
 
     request_id: str
@@ -138,14 +144,14 @@ class RequestFailed(_Message):
     message: str
 
 
-class Cancel(_Message):
+class Cancel(Message):
     """ingress -> every stage: forget this request and free what it holds."""
 
     request_id: str
     reason: str = "cancelled"
 
 
-class StopRequest(_Message):
+class StopRequest(Message):
     """egress -> decode: a stop string matched; stop generating (egress already finished it)."""
 
     request_id: str
@@ -154,7 +160,7 @@ class StopRequest(_Message):
 # --- the life of a stage ------------------------------------------------------------------
 
 
-class Hello(_Message):
+class Hello(Message):
     """First message on every connection between peers: the protocol version is checked."""
 
     protocol_version: int
@@ -163,7 +169,7 @@ class Hello(_Message):
     pid: int
 
 
-class Ready(_Message):
+class Ready(Message):
     """stage -> launcher: started, sockets bound, model loaded."""
 
     stage: str
@@ -172,7 +178,7 @@ class Ready(_Message):
     protocol_version: int
 
 
-class Heartbeat(_Message):
+class Heartbeat(Message):
     """stage -> launcher, every ``heartbeat_interval_s``."""
 
     stage: str
@@ -181,7 +187,7 @@ class Heartbeat(_Message):
     in_flight: int = 0
 
 
-class StageFailed(_Message):
+class StageFailed(Message):
     """stage -> launcher: an unrecoverable error, with its traceback; the stage exits next."""
 
     stage: str
@@ -189,7 +195,7 @@ class StageFailed(_Message):
     error: str
 
 
-class StageDown(_Message):
+class StageDown(Message):
     """launcher -> every stage: a replica died; whatever it held is lost."""
 
     stage: str
@@ -197,14 +203,14 @@ class StageDown(_Message):
     reason: str
 
 
-class StageUp(_Message):
+class StageUp(Message):
     """launcher -> every stage: a replica (re)started and is ready."""
 
     stage: str
     replica: int
 
 
-class StageStatus(_Message):
+class StageStatus(Message):
     """launcher -> every stage, every second, one per replica: what it is doing."""
 
     stage: str
@@ -213,6 +219,15 @@ class StageStatus(_Message):
     pid: int
     in_flight: int
     restarts: int
+
+
+class ProtocolRefused(Message):
+    """stage -> launcher: a peer that speaks another protocol version tried to talk to this stage;
+    its messages are refused, and the launcher stops the pipeline naming both versions."""
+
+    stage: str
+    replica: int
+    error: str
 
 
 class KvChunkHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -255,9 +270,12 @@ ControlMessage = (
     | StageDown
     | StageUp
     | StageStatus
+    | ProtocolRefused
 )
 
 ALL_MESSAGES: tuple[type, ...] = ControlMessage.__args__  # type: ignore[attr-defined]
+LAUNCHER_MESSAGES: tuple[type, ...] = (Ready, Heartbeat, StageFailed, ProtocolRefused)  # stage -> launcher
+
 
 
 class ProtocolMismatch(RuntimeError):
@@ -268,9 +286,29 @@ def encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
 
 
-def decoder(kind: object = ControlMessage) -> msgspec.msgpack.Decoder:
-    """A typed decoder; create one per socket, once."""
+def decoder(types: tuple[type, ...] = ALL_MESSAGES) -> msgspec.msgpack.Decoder:
+    """A typed decoder for ``types`` (the built-in messages, plus plug-in stages' own); create one
+    per socket, once."""
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, Message)):
+            raise TypeError(f"{t!r} is not a pdflow.messages.Message subclass")
+    kind = types[0] if len(types) == 1 else Union[types]  # noqa: UP007 (a runtime union of classes)
     return msgspec.msgpack.Decoder(kind)
+
+
+def with_plugins(extra: tuple[type, ...]) -> tuple[type, ...]:
+    """The built-in messages plus ``extra`` (deduplicated); a tag used twice is a TypeError."""
+    types = list(ALL_MESSAGES)
+    tags = {t.__name__: t for t in types}
+    for t in extra:
+        if tags.get(t.__name__) is t:
+            continue
+        if t.__name__ in tags:
+            raise TypeError(f"message type {t.__module__}.{t.__qualname__} reuses the tag {t.__name__!r} "
+                            f"of {tags[t.__name__].__module__}.{t.__name__}; rename it")
+        tags[t.__name__] = t
+        types.append(t)
+    return tuple(types)
 
 
 def check_hello(hello: Hello) -> None:

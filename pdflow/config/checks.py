@@ -1,38 +1,113 @@
-"""Checks on a topology that span several keys or ask other modules: port clashes, installed
-transports, known model names.
+"""Checks on a whole pipeline, however it was built: stage kinds and their outputs, replicas,
+ports that clash, links and their transports, the router.
 
-The other modules are imported lazily, inside the functions, so that loading a topology never pulls
-in torch or a transport's library.
+Each failure is a :class:`~pdflow.config.pipeline.PipelineError` naming the dotted key at fault;
+:mod:`pdflow.config.topology` adds the file and line when the pipeline came from TOML. Built-in
+stage kinds are not imported here (that would pull in torch for ``pdflow validate``); plug-in kinds,
+and any stage whose outputs are rewired, are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pdflow.config.toml_reader import TableReader
-    from pdflow.config.topology import Topology
+from pdflow.config.pipeline import DEVICE, MODES, Pipeline, PipelineError, StageConfig
+from pdflow.registry import spec_name
 
-_BUILTIN_MODELS = frozenset({"smollm2"})
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]"})
 _HOST_ALIASES = {"localhost": "127.0.0.1", "::1": "127.0.0.1", "[::1]": "127.0.0.1"}
 
 
+def check_pipeline(pipeline: Pipeline, written: Callable[[str], bool] = lambda key: True,
+                   cross_process: bool = True) -> None:
+    """Raise PipelineError for the first thing that cannot run. ``written(key)`` says whether the
+    user wrote a key (a port clash blames the one they wrote); ``cross_process``: stages will run
+    as separate processes, so links need transports that cross them."""
+    stages = pipeline.stages
+    if "ingress" not in stages:
+        raise PipelineError("stages.ingress", "every pipeline has an ingress stage (it serves the HTTP API)")
+    if stages["ingress"].replicas != 1:
+        raise PipelineError("stages.ingress.replicas", "ingress owns the HTTP port, so it must have exactly "
+                            f"1 replica, got {stages['ingress'].replicas}")
+    for name in MODES[pipeline.engine.mode]:
+        if name not in stages:
+            raise PipelineError(f"stages.{name}", f"a {pipeline.engine.mode} pipeline needs a {name} stage")
+    for name, stage in stages.items():
+        _check_stage(pipeline, name, stage)
+    _check_links(pipeline, cross_process)
+    _check_router(pipeline)
+    check_ports(pipeline, written)
+
+
+def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:
+    key = f"stages.{name}"
+    if stage.replicas < 1:
+        raise PipelineError(f"{key}.replicas", f"expected an integer >= 1, got {stage.replicas}")
+    if not DEVICE.fullmatch(stage.device):
+        raise PipelineError(f"{key}.device", f'expected "cpu", "cuda" or "cuda:N", got {stage.device!r}')
+    from pdflow.stages import registry
+
+    builtin = isinstance(stage.kind_name, str) and stage.kind_name in registry.builtin
+    if builtin and not stage.outputs:
+        return
+    if problem := registry.availability(stage.kind_name):
+        what = "kind" if stage.kind else "name (no kind given, so the name is taken as the kind)"
+        raise PipelineError(f"{key}.kind", f"stage {name!r}: its {what}: {problem}")
+    cls = registry.load(stage.kind_name)
+    for output, target in stage.outputs.items():
+        if output not in cls.outputs:
+            raise PipelineError(f"{key}.outputs.{output}", f"a {spec_name(stage.kind_name)} stage has no output "
+                                f"{output!r}; its outputs: {', '.join(cls.outputs) or 'none'}")
+    for output in cls.outputs:
+        target = stage.outputs.get(output) or cls.outputs[output]
+        if target not in pipeline.stages:
+            raise PipelineError(f"{key}.outputs.{output}", f"output {output!r} goes to {target!r}, which is not "
+                                f"a stage of this pipeline (stages: {', '.join(pipeline.stages)})")
+    if stage.data_port is not None and not cls.receives_kv:
+        raise PipelineError(f"{key}.data_port", f"a {spec_name(stage.kind_name)} stage receives no KV data; "
+                            "remove data_port")
+
+
+def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
+    seen: set[tuple[str, str]] = set()
+    for i, link in enumerate(pipeline.links):
+        key = f"links[{i}]"
+        for end in (link.src, link.dst):
+            if end not in pipeline.stages:
+                raise PipelineError(key, f"link {link.src} -> {link.dst}: there is no stage {end!r}")
+        if pipeline.stages[link.dst].data_port is None:
+            raise PipelineError(key, f"link {link.src} -> {link.dst}: {link.dst} has no data port to receive KV on")
+        if (link.src, link.dst) in seen:
+            raise PipelineError(key, f"link {link.src} -> {link.dst} is defined twice")
+        seen.add((link.src, link.dst))
+        if problem := transport_problem(link.transport, cross_process):
+            raise PipelineError(f"{key}.transport", f"transport {link.transport!r} is not available: {problem}")
+        from pdflow.transports.shaping import check_link_options
+
+        if problem := check_link_options(dict(link.options)):
+            raise PipelineError(f"{key}.options", problem)
+
+
+def _check_router(pipeline: Pipeline) -> None:
+    from pdflow.routing import registry
+
+    if problem := registry.availability(pipeline.router.policy):
+        raise PipelineError("router.policy", problem)
+
+
 def known_models() -> frozenset[str]:
-    try:
-        from pdflow.models import KNOWN_MODELS
-    except ImportError:
-        return _BUILTIN_MODELS
+    from pdflow.models import KNOWN_MODELS
+
     return frozenset(KNOWN_MODELS)
 
 
-def transport_problem(name: str) -> str | None:
-    """None when transport ``name`` can link two stage processes here, else why not."""
+def transport_problem(name: str, cross_process: bool = True) -> str | None:
+    """None when transport ``name`` can link two stages here, else why not."""
     from pdflow.transports import availability, load
 
     problem = availability(name)
-    if problem is None and not load(name).cross_process:
+    if problem is None and cross_process and not load(name).cross_process:
         problem = "it connects peers inside one process only (for tests); stages run as separate processes"
     return problem
 
@@ -55,14 +130,14 @@ class _Endpoint:
         return a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS
 
 
-def _endpoints(topology: Topology) -> list[_Endpoint]:
-    server, control = topology.server, topology.control
+def _endpoints(pipeline: Pipeline) -> list[_Endpoint]:
+    server, control = pipeline.server, pipeline.control
     found = [
         _Endpoint(server.host, server.port, "server.port"),
         _Endpoint(control.host, control.port, "control.port"),
         _Endpoint(control.host, control.port + 1, "control.port", 1, "the PUB socket"),
     ]
-    for name, stage in topology.stages.items():
+    for name, stage in pipeline.stages.items():
         bases = [("port", stage.port)] + ([("data_port", stage.data_port)] if stage.data_port else [])
         for field, base in bases:
             found += [
@@ -72,24 +147,24 @@ def _endpoints(topology: Topology) -> list[_Endpoint]:
     return found
 
 
-def check_ports(r: TableReader, topology: Topology) -> None:
+def check_ports(pipeline: Pipeline, written: Callable[[str], bool] = lambda key: True) -> None:
     """Every endpoint in range, and no two on the same host and port (0.0.0.0 is every host)."""
     seen: list[_Endpoint] = []
-    for endpoint in _endpoints(topology):
-        if endpoint.port > 65535:
-            raise r.error(endpoint.key, f"{endpoint.describe()} would be port {endpoint.port}; "
-                          "ports must be in 1..65535 (lower the port or the replicas)")
+    for endpoint in _endpoints(pipeline):
+        if not 1 <= endpoint.port <= 65535:
+            raise PipelineError(endpoint.key, f"{endpoint.describe()} would be port {endpoint.port}; "
+                                "ports must be in 1..65535 (lower the port or the replicas)")
         for other in seen:
             if endpoint.overlaps(other):
-                raise _clash(r, endpoint, other)
+                raise _clash(endpoint, other, written)
         seen.append(endpoint)
 
 
-def _clash(r: TableReader, later: _Endpoint, earlier: _Endpoint) -> Exception:
-    """Blame the later endpoint, unless only the earlier one is written in the file."""
+def _clash(later: _Endpoint, earlier: _Endpoint, written: Callable[[str], bool]) -> PipelineError:
+    """Blame the later endpoint, unless only the earlier one was written by the user."""
     blamed, other = later, earlier
-    if r.lines.line_of(later.key) is None and r.lines.line_of(earlier.key) is not None:
+    if not written(later.key) and written(earlier.key):
         blamed, other = earlier, later
     own = f" ({blamed.label}, {blamed.key} + {blamed.offset})" if blamed.offset else ""
     hosts = "" if blamed.host == other.host else f" ({blamed.host} and {other.host} overlap)"
-    return r.error(blamed.key, f"port {blamed.port}{own} is also used by {other.describe()}{hosts}")
+    return PipelineError(blamed.key, f"port {blamed.port}{own} is also used by {other.describe()}{hosts}")

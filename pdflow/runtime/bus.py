@@ -1,26 +1,48 @@
-"""The control plane: ZeroMQ sockets carrying msgspec messages between stages and the launcher.
+"""The control plane: how a stage sends and receives msgspec messages.
 
-Every stage replica binds one PULL inbox at its control address; peers reach it through PUSH
-sockets that are created on first use and greet it with a :class:`~pdflow.messages.Hello` (its
-protocol version is checked on arrival). The launcher has a PULL (ready, heartbeats, failures)
-and a PUB (stage down/up) that every stage connects to.
+:class:`Bus` is the interface a stage is handed (so a stage can be unit-tested on a
+:class:`~pdflow.runtime.memory_bus.MemoryHub`'s bus, with no processes). :class:`ZmqBus` is the
+one processes use: every stage replica binds one PULL inbox at its control address; peers reach
+it through PUSH sockets made on first use, which greet it with a :class:`~pdflow.messages.Hello`.
+The launcher has a PULL (ready, heartbeats, failures) and a PUB (stage down/up/status).
+
+Every frame starts with the sender's protocol version (2 bytes). A frame of another version is
+refused, never decoded as ours: the receiver logs who sent it (from its Hello) and tells the
+launcher (:class:`~pdflow.messages.ProtocolRefused`), which stops the pipeline naming both versions.
 """
 
 from __future__ import annotations
 
 import os
+import struct
+from abc import ABC, abstractmethod
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
-from pdflow.messages import PROTOCOL_VERSION, Hello, ProtocolMismatch, check_hello, decoder, encoder
-from pdflow.config.topology import Topology
+from pdflow.messages import (
+    LAUNCHER_MESSAGES,
+    PROTOCOL_VERSION,
+    Hello,
+    Message,
+    ProtocolMismatch,
+    ProtocolRefused,
+    StageDown,
+    StageStatus,
+    StageUp,
+    check_hello,
+    decoder,
+)
 
 log = structlog.get_logger()
 
 _HWM = 100_000  # messages queued per peer before send() waits: far above any batch we make
 _LINGER_MS = 500  # on close, give queued messages this long to leave
+VERSION = struct.Struct(">H")
+_OURS = VERSION.pack(PROTOCOL_VERSION)
+FROM_LAUNCHER: tuple[type, ...] = (StageDown, StageUp, StageStatus)
 
 
 def make_socket(
@@ -46,64 +68,151 @@ def make_socket(
     return sock
 
 
-class Bus:
-    """One stage replica's control-plane endpoints."""
+class Framing:
+    """Encodes messages into version-prefixed frames and decodes frames of our version only."""
 
-    def __init__(self, topology: Topology, stage: str, replica: int):
-        self.topology, self.stage, self.replica = topology, stage, replica
+    def __init__(self, types: tuple[type, ...]):
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decoder = decoder(types)
+
+    def encode(self, message: Message) -> bytes:
+        return _OURS + self._encode(message)
+
+    def decode(self, frame: bytes) -> Message:
+        """The message in ``frame``; ProtocolMismatch for another version's frame."""
+        if frame[:2] != _OURS:
+            theirs = self.version_of(frame)
+            raise ProtocolMismatch(f"a frame of pdflow protocol {theirs}, this process speaks {PROTOCOL_VERSION}")
+        return self._decoder.decode(memoryview(frame)[2:])
+
+    @staticmethod
+    def version_of(frame: bytes) -> int | None:
+        return VERSION.unpack(frame[:2])[0] if len(frame) >= 2 else None
+
+    @staticmethod
+    def foreign(frame: bytes, cls: type) -> Message | None:
+        """A ``cls`` (Hello, Ready: layouts that never change) read from a frame of any version,
+        to name its sender; None when the frame holds something else."""
+        try:
+            return msgspec.msgpack.decode(memoryview(frame)[2:], type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+
+class Bus(ABC):
+    """One stage replica's control-plane endpoints (the contract every bus keeps).
+
+    ``send`` and ``broadcast`` never block on a slow peer beyond its high-water mark; ``recv``
+    returns the next message for this stage (greetings are consumed, not returned) and raises
+    nothing for a malformed or foreign frame (it is logged and skipped).
+    """
+
+    stage: str
+    replica: int
+
+    @abstractmethod
+    def start(self) -> None:
+        """Bind the inbox and connect to the launcher (before any send or recv)."""
+
+    @abstractmethod
+    async def send(self, stage: str, replica: int, message: Message) -> None: ...
+
+    @abstractmethod
+    async def broadcast(self, stage: str, message: Message) -> None:
+        """``message`` to every replica of ``stage``."""
+
+    @abstractmethod
+    async def send_launcher(self, message: Message) -> None: ...
+
+    @abstractmethod
+    async def recv(self) -> Message: ...
+
+    @abstractmethod
+    async def recv_launcher(self) -> Message: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class ZmqBus(Bus):
+    """The bus of a stage process: ZeroMQ sockets to its peers and the launcher."""
+
+    def __init__(self, pipeline, stage: str, replica: int, types: tuple[type, ...] | None = None):
+        self.pipeline, self.stage, self.replica = pipeline, stage, replica
         self.ctx = zmq.asyncio.Context()
-        self._encode = encoder().encode
-        self._decode_inbox = decoder()
-        self._decode_launcher = decoder()
+        self.framing = Framing(types or pipeline.message_types())
+        self._launcher_framing = Framing(FROM_LAUNCHER)
         self._peers: dict[tuple[str, int], zmq.asyncio.Socket] = {}
+        self._refused: set[tuple[str, int, int]] = set()
         self.inbox: zmq.asyncio.Socket | None = None
         self.to_launcher: zmq.asyncio.Socket | None = None
         self.from_launcher: zmq.asyncio.Socket | None = None
 
     def start(self) -> None:
-        address = self.topology.stages[self.stage].control_address(self.replica)
+        address = self.pipeline.stages[self.stage].control_address(self.replica)
         self.inbox = make_socket(self.ctx, zmq.PULL, bind=address)
-        control = self.topology.control
+        control = self.pipeline.control
         self.to_launcher = make_socket(self.ctx, zmq.PUSH, connect=control.pull_address)
         self.from_launcher = make_socket(self.ctx, zmq.SUB, connect=control.pub_address)
-
-    def _hello(self) -> bytes:
-        return self._encode(Hello(PROTOCOL_VERSION, self.stage, self.replica, os.getpid()))
 
     def _peer(self, stage: str, replica: int) -> zmq.asyncio.Socket:
         sock = self._peers.get((stage, replica))
         if sock is None:
-            address = self.topology.stages[stage].control_address(replica)
+            address = self.pipeline.stages[stage].control_address(replica)
             sock = make_socket(self.ctx, zmq.PUSH, connect=address)
-            sock.send(self._hello())
+            sock.send(self.framing.encode(Hello(PROTOCOL_VERSION, self.stage, self.replica, os.getpid())))
             self._peers[(stage, replica)] = sock
         return sock
 
-    async def send(self, stage: str, replica: int, message) -> None:
-        await self._peer(stage, replica).send(self._encode(message))
+    async def send(self, stage: str, replica: int, message: Message) -> None:
+        await self._peer(stage, replica).send(self.framing.encode(message))
 
-    async def broadcast(self, stage: str, message) -> None:
-        data = self._encode(message)
-        for replica in range(self.topology.stages[stage].replicas):
+    async def broadcast(self, stage: str, message: Message) -> None:
+        data = self.framing.encode(message)
+        for replica in range(self.pipeline.stages[stage].replicas):
             await self._peer(stage, replica).send(data)
 
-    async def send_launcher(self, message) -> None:
-        await self.to_launcher.send(self._encode(message))
+    async def send_launcher(self, message: Message) -> None:
+        await self.to_launcher.send(self.framing.encode(message))
 
-    async def recv(self):
-        """The next message for this stage (greetings are checked here, not returned)."""
+    async def recv(self) -> Message:
         while True:
-            message = self._decode_inbox.decode(await self.inbox.recv())
-            if isinstance(message, Hello):
-                try:
-                    check_hello(message)
-                except ProtocolMismatch as exc:
-                    log.error("protocol.mismatch", error=str(exc))
+            frame = await self.inbox.recv()
+            try:
+                message = self.framing.decode(frame)
+            except ProtocolMismatch:
+                await self._refuse(frame)
                 continue
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.error("bus.message.malformed", bytes=len(frame), error=str(exc))
+                continue
+            if isinstance(message, Hello):
+                continue  # same version (checked above): nothing more to know
             return message
 
-    async def recv_launcher(self):
-        return self._decode_launcher.decode(await self.from_launcher.recv())
+    async def _refuse(self, frame: bytes) -> None:
+        hello = self.framing.foreign(frame, Hello)
+        if hello is None:
+            log.error("protocol.mismatch", error=f"refused a message of pdflow protocol "
+                      f"{self.framing.version_of(frame)}, this process speaks {PROTOCOL_VERSION}")
+            return
+        try:
+            check_hello(hello)
+        except ProtocolMismatch as exc:
+            key = (hello.stage, hello.replica, hello.protocol_version)
+            log.error("protocol.mismatch", error=str(exc), action="refused")
+            if key not in self._refused:  # tell the launcher once per peer
+                self._refused.add(key)
+                await self.send_launcher(ProtocolRefused(self.stage, self.replica, str(exc)))
+
+    async def recv_launcher(self) -> Message:
+        frame = await self.from_launcher.recv()
+        return self._launcher_framing.decode(frame)  # ProtocolMismatch: the stage cannot go on
 
     def close(self) -> None:
         self.ctx.destroy(linger=_LINGER_MS)
+
+
+def launcher_framing() -> Framing:
+    """What the launcher decodes: the stage -> launcher messages."""
+    return Framing(LAUNCHER_MESSAGES)

@@ -17,24 +17,26 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
-from pdflow.runtime.bus import make_socket
+from pdflow.config.pipeline import Pipeline
 from pdflow.messages import (
     PROTOCOL_VERSION,
     Heartbeat,
+    ProtocolMismatch,
+    ProtocolRefused,
     Ready,
     StageDown,
     StageFailed,
     StageStatus,
     StageUp,
-    decoder,
-    encoder,
 )
-from pdflow.runtime.process import StageLaunch, main as stage_main
-from pdflow.config.topology import Topology
+from pdflow.runtime.bus import FROM_LAUNCHER, Framing, launcher_framing, make_socket
+from pdflow.runtime.process import StageLaunch
+from pdflow.runtime.process import main as stage_main
 
 log = structlog.get_logger()
 _TICK_S = 0.1
@@ -59,20 +61,21 @@ class _Replica:
 
 
 class Launcher:
-    def __init__(self, topology: Topology, model_dir: Path, log_format: str = "console", log_level: str = "info"):
+    def __init__(self, topology: Pipeline, model_dir: Path, log_format: str = "console", log_level: str = "info"):
         self.topology, self.model_dir = topology, model_dir
         self.log_format, self.log_level = log_format, log_level
         self.mp = multiprocessing.get_context("spawn")
         self.replicas = {key: _Replica(*key) for key in topology.replicas()}
         self.stop_requested = asyncio.Event()
-        self._encode = encoder().encode
-        self._decode = decoder()
+        self.fatal: str | None = None  # why the pipeline cannot run (a protocol mismatch): stop now
+        self._encode = Framing(FROM_LAUNCHER).encode
+        self._framing = launcher_framing()
 
     def _name(self, rep: _Replica) -> str:
         return f"{self.topology.stages[rep.stage].display_name}-{rep.replica}"
 
     def _start(self, rep: _Replica) -> None:
-        launch = StageLaunch(rep.stage, rep.replica, str(self.topology.path), str(self.model_dir),
+        launch = StageLaunch(self.topology, rep.stage, rep.replica, str(self.model_dir),
                              self.log_format, self.log_level)
         rep.process = self.mp.Process(target=stage_main, args=(launch,), name=self._name(rep), daemon=True)
         rep.process.start()
@@ -91,10 +94,11 @@ class Launcher:
         try:
             for rep in self.replicas.values():
                 self._start(rep)
-            if not await self._wait_ready():
+            status = await self._supervise() if await self._wait_ready() else 1
+            if self.fatal:
+                sys.stderr.write(f"pdflow: {self.fatal}\n")
                 return 1
-            self._print_status("ready")
-            return await self._supervise()
+            return status
         finally:
             await self._stop_all()
             ctx.destroy(linger=0)
@@ -105,8 +109,29 @@ class Launcher:
         """Handle every message that arrives within ``timeout_s`` (then what is already queued)."""
         timeout_ms = timeout_s * 1000
         while await self.pull.poll(timeout_ms):
-            await self._handle(self._decode.decode(await self.pull.recv()))
+            frame = await self.pull.recv()
+            try:
+                message = self._framing.decode(frame)
+            except ProtocolMismatch:
+                self._foreign(frame)
+                continue
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.error("launcher.message.malformed", bytes=len(frame), error=str(exc))
+                continue
+            await self._handle(message)
             timeout_ms = 0
+
+    def _mismatch(self, stage: str, theirs: int | None) -> None:
+        self.fatal = (f"stage {stage} speaks pdflow protocol {theirs}, the launcher speaks {PROTOCOL_VERSION}: "
+                      "run the same pdflow version on every stage")
+        log.error("launcher.protocol_mismatch", stage=stage, theirs=theirs, ours=PROTOCOL_VERSION, error=self.fatal)
+        self.stop_requested.set()
+
+    def _foreign(self, frame: bytes) -> None:
+        """A frame of another protocol version: name its sender if it is a Ready, and stop."""
+        ready = Framing.foreign(frame, Ready)
+        stage = f"{ready.stage}-{ready.replica} (pid {ready.pid})" if ready else "a process"
+        self._mismatch(stage, ready.protocol_version if ready else Framing.version_of(frame))
 
     async def _handle(self, message) -> None:
         rep = self.replicas.get((message.stage, message.replica))
@@ -115,10 +140,13 @@ class Launcher:
         rep.last_seen = time.monotonic()
         if isinstance(message, Heartbeat):
             rep.in_flight = message.in_flight
+        elif isinstance(message, ProtocolRefused):
+            self.fatal = f"{self._name(rep)} refused a peer: {message.error}"
+            log.error("launcher.protocol_mismatch", stage=self._name(rep), error=message.error)
+            self.stop_requested.set()
         elif isinstance(message, Ready):
             if message.protocol_version != PROTOCOL_VERSION:
-                log.error("stage.protocol_mismatch", stage=self._name(rep), theirs=message.protocol_version,
-                          ours=PROTOCOL_VERSION)
+                self._mismatch(self._name(rep), message.protocol_version)
                 return
             was_restart = rep.restarts > 0
             rep.ready = True
@@ -135,6 +163,7 @@ class Launcher:
         while time.monotonic() < deadline and not self.stop_requested.is_set():
             await self._drain_inbox(_TICK_S)
             if all(rep.ready for rep in self.replicas.values()):
+                self._print_status("ready")
                 return True
             dead = [rep for rep in self.replicas.values() if not rep.process.is_alive()]
             if dead:
@@ -245,3 +274,20 @@ class Launcher:
             lines.append(f"  {self._name(rep):<14}{pid:>8}  {cores:<10}{cfg.device:<8}{state:<10}{rep.restarts:>8}")
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
+
+
+def run(pipeline: Pipeline, *, log_format: str = "console", log_level: str = "info") -> int:
+    """Run ``pipeline`` as processes (one per stage replica) until SIGINT/SIGTERM; the exit status.
+
+    What ``pdflow run topology.toml`` does, for a pipeline built in code. The pipeline is checked
+    first (PipelineError), and the model is pulled on first use.
+    """
+    import uvloop
+
+    from pdflow.log import configure_logging
+    from pdflow.models import resolve
+
+    pipeline.check()
+    configure_logging(log_format, log_level, stage="launcher")
+    model_dir = resolve(str(pipeline.model.path or pipeline.model.source), progress=sys.stderr.isatty())
+    return uvloop.run(Launcher(pipeline, model_dir, log_format, log_level).run())

@@ -1,7 +1,12 @@
-"""The one entry point of every stage process (started by the launcher with ``spawn``)."""
+"""The one entry point of every stage process (started by the launcher with ``spawn``).
+
+The launcher hands each process the pipeline description itself (pickled by ``spawn``), not a
+path to re-read: a pipeline built in code runs as processes just like one from a topology file.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import signal
@@ -9,15 +14,19 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdflow.config.pipeline import Pipeline
 
 _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
 class StageLaunch:
+    pipeline: Pipeline
     stage: str
     replica: int
-    topology_path: str
     model_dir: str
     log_format: str = "console"
     log_level: str = "info"
@@ -47,9 +56,8 @@ def main(launch: StageLaunch) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the stage installs its own handlers
     from pdflow.log import configure_logging
-    from pdflow.config.topology import load_topology
 
-    topology = load_topology(launch.topology_path)
+    topology = launch.pipeline
     config = topology.stages[launch.stage]
     title = f"pdflow::{config.display_name}-{launch.replica}"
     try:
@@ -66,18 +74,25 @@ def main(launch: StageLaunch) -> None:
         _pin(config.cores)
         import uvloop
 
+        from pdflow.runtime.bus import ZmqBus
         from pdflow.runtime.stage import StageContext
-        from pdflow.stages import load_stage
 
-        stage_cls = load_stage(launch.stage)
         ctx = StageContext(topology, launch.stage, launch.replica, Path(launch.model_dir))
-        uvloop.run(stage_cls(ctx).run())
+        stage = topology.stage_class(launch.stage)(ctx, ZmqBus(topology, launch.stage, launch.replica))
+        uvloop.run(_serve(stage))
     except Exception as exc:
         log.error("stage.crashed", error=repr(exc), traceback=traceback.format_exc())
         _report_failure(topology, launch, traceback.format_exc())
         _exit(1)
     log.info("stage.exited")
     _exit(0)
+
+
+async def _serve(stage) -> None:
+    # SIGINT stays ignored: a terminal's Ctrl-C reaches the whole process group, and the
+    # launcher turns it into SIGTERMs in the right order (ingress drains first)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stage.request_stop)
+    await stage.run()
 
 
 def _exit(status: int) -> None:
@@ -92,13 +107,13 @@ def _report_failure(topology, launch: StageLaunch, error: str) -> None:
     """Tell the launcher why we die (best effort: the launcher also sees the exit code)."""
     import zmq
 
-    from pdflow.runtime.bus import make_socket
-    from pdflow.messages import StageFailed, encoder
+    from pdflow.messages import StageFailed
+    from pdflow.runtime.bus import launcher_framing, make_socket
 
     ctx = zmq.Context()
     try:
         sock = make_socket(ctx, zmq.PUSH, connect=topology.control.pull_address, linger_ms=1000)
-        sock.send(encoder().encode(StageFailed(launch.stage, launch.replica, error)))
+        sock.send(launcher_framing().encode(StageFailed(launch.stage, launch.replica, error)))
         sock.close()
     finally:
         ctx.term()

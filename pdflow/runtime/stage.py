@@ -1,7 +1,20 @@
-"""What every stage process shares: the bus, readiness, heartbeats, dispatch and shutdown.
+"""The ``Stage`` base class: what every stage shares, built-in or a plug-in.
 
-A stage's loop is ``recv -> dispatch -> (send)``: :meth:`Stage.handlers` maps each message type
-to a handler; handlers must return quickly (long work goes to tasks or worker threads).
+A stage is handed its :class:`StageContext` (the pipeline description, its own name and replica,
+the model directory) and a :class:`~pdflow.runtime.bus.Bus`. Its loop is
+``recv -> dispatch -> (send)``: :meth:`Stage.handlers` maps each message type to a handler, and
+handlers return quickly (long work goes to tasks or worker threads).
+
+The base keeps the stage's one table of requests (:mod:`pdflow.runtime.requests`) and applies it
+before any handler runs, for every message with a ``request_id``:
+
+- a :class:`~pdflow.messages.Cancel` takes the one cancel path, :meth:`Stage.cancel`, which ends
+  the request in the table and calls :meth:`Stage.on_cancel` with its state to free what it holds;
+- a message for a request that ended is dropped;
+- a message for a request not yet open is held (bounded, with a deadline) unless its type is in
+  :attr:`Stage.opens`; once the opening handler has run, what was held is delivered in order;
+- a handler that raises fails that request: ingress gets :class:`~pdflow.messages.RequestFailed`
+  at once (the client an error), and the request is cancelled here.
 """
 
 from __future__ import annotations
@@ -9,46 +22,94 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import structlog
 
+from pdflow.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Heartbeat,
+    Message,
+    Ready,
+    RequestFailed,
+    Route,
+    SamplingParams,
+    StageDown,
+    StageStatus,
+    StageUp,
+)
 from pdflow.runtime.bus import Bus
-from pdflow.messages import PROTOCOL_VERSION, Heartbeat, Ready, StageDown, StageStatus, StageUp
-from pdflow.config.topology import StageConfig, Topology
+from pdflow.runtime.requests import RequestTable, TableLimits
+
+if TYPE_CHECKING:
+    from pdflow.config.pipeline import Pipeline, StageConfig
 
 Handler = Callable[[Any], Awaitable[None] | None]
 
 
 @dataclass(frozen=True, slots=True)
 class StageContext:
-    topology: Topology
-    stage: str
+    pipeline: Pipeline
+    stage: str  # this stage's name in the pipeline
     replica: int
     model_dir: Path
 
     @property
     def config(self) -> StageConfig:
-        return self.topology.stages[self.stage]
+        return self.pipeline.stages[self.stage]
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A request as ingress admits it: what :meth:`Stage.admission` builds its message from."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    skip_special_tokens: bool
+    route: Route
 
 
 class Stage:
-    name: ClassVar[str]
+    """Subclass it, set the class attributes below, and implement the hooks you need.
 
-    def __init__(self, ctx: StageContext):
+    ``kind``: the registry name. ``messages``: the plug-in message types this stage sends or
+    receives (subclasses of :class:`pdflow.messages.Message`; every bus decodes them). ``outputs``:
+    where each named output goes by default (a pipeline may rewire it). ``opens``: the message
+    types that open a request here. ``receives_kv``: the stage has a data port (KV lands here).
+    """
+
+    kind: ClassVar[str] = ""
+    messages: ClassVar[tuple[type, ...]] = ()
+    outputs: ClassVar[dict[str, str]] = {}
+    opens: ClassVar[tuple[type, ...]] = ()
+    receives_kv: ClassVar[bool] = False
+    default_port: ClassVar[int | None] = None
+
+    def __init__(self, ctx: StageContext, bus: Bus):
         self.ctx = ctx
-        self.topology = ctx.topology
-        self.limits = ctx.topology.limits
+        self.pipeline = self.topology = ctx.pipeline
+        self.config = ctx.config
+        self.limits = ctx.pipeline.limits
         self.replica = ctx.replica
-        self.bus = Bus(ctx.topology, ctx.stage, ctx.replica)
+        self.bus = bus
         self.log = structlog.get_logger()
+        timeout = self.limits.request_timeout_s
+        self.requests: RequestTable = RequestTable(TableLimits(early_ttl_s=timeout, ended_ttl_s=2 * timeout))
         self.stopping = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.crashed: BaseException | None = None
+
+    @classmethod
+    def admission(cls, submission: Submission, name: str) -> Message | None:
+        """The message ingress sends this stage (named ``name`` in the pipeline) when it admits a
+        request, or None when the stage hears of requests from its upstream only."""
+        return None
 
     # --- for subclasses ---------------------------------------------------------------------
 
@@ -62,7 +123,11 @@ class Stage:
         return {}
 
     def in_flight(self) -> int:
-        return 0
+        return len(self.requests)
+
+    def on_cancel(self, request_id: str, state: Any, reason: str) -> Awaitable[None] | None:
+        """Free what ``state`` holds; the request is already out of the table."""
+        return None
 
     def on_stage_down(self, message: StageDown) -> Awaitable[None] | None:
         return None
@@ -74,8 +139,43 @@ class Stage:
         return None
 
     def request_stop(self) -> None:
-        """SIGTERM/SIGINT: the launcher stops ingress first, so others have nothing left."""
+        """SIGTERM: the launcher stops ingress first, so the others have nothing left."""
         self.stopping.set()
+
+    # --- for stages to call -----------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.config.display_name
+
+    def output(self, name: str) -> str:
+        """The stage that output ``name`` goes to in this pipeline."""
+        return self.config.outputs.get(name) or type(self).outputs[name]
+
+    async def send_output(self, output: str, route: Route, message: Message) -> None:
+        stage = self.output(output)
+        await self.bus.send(stage, route.of(stage), message)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        """The one cancel path: end the request here and free what it holds (idempotent)."""
+        state = self.requests.end(request_id)
+        if state is not None:
+            result = self.on_cancel(request_id, state, reason)
+            if inspect.isawaitable(result):
+                await result
+
+    def finish(self, request_id: str) -> Any:
+        """The request is done here: out of the table (late messages for it are dropped)."""
+        return self.requests.end(request_id)
+
+    async def fail(self, request_id: str, error: str, route: Route | None = None) -> None:
+        """Tell ingress the request failed here (the client gets ``error``), and cancel it."""
+        state = self.requests.get(request_id)
+        route = route or getattr(state, "route", None) or getattr(getattr(state, "request", None), "route", None)
+        self.log.error("request.failed", request_id=request_id, error=error)
+        ingress = route.of("ingress") if route is not None else 0
+        await self.bus.send("ingress", ingress, RequestFailed(request_id, self.name, error))
+        await self.cancel(request_id, "failed")
 
     def spawn(self, coro, *, essential: bool = False) -> asyncio.Task:
         """Run a task that is kept alive, and whose failure is logged, not lost. When an
@@ -98,9 +198,6 @@ class Stage:
             self.stopping.set()
 
     async def run(self) -> None:
-        # SIGINT stays ignored: a terminal's Ctrl-C reaches the whole process group, and the
-        # launcher turns it into SIGTERMs in the right order (ingress drains first)
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.request_stop)
         self.bus.start()
         await self.setup()
         await self.bus.send_launcher(Ready(self.ctx.stage, self.replica, os.getpid(), PROTOCOL_VERSION))
@@ -119,33 +216,66 @@ class Stage:
         if self.crashed is not None:
             raise RuntimeError("an essential loop of the stage ended") from self.crashed
 
-    async def _dispatch(self, table: dict[type, Handler], message) -> None:
-        handler = table.get(type(message))
+    async def deliver(self, message: Message, table: dict[type, Handler] | None = None) -> None:
+        """Apply the request table to ``message``, then run its handler (see the module doc)."""
+        table = self.handlers() if table is None else table
+        kind = type(message)
+        request_id = getattr(message, "request_id", None)
+        if request_id is not None:
+            if kind is Cancel:
+                await self.cancel(request_id, message.reason)
+                return
+            if self.requests.is_over(request_id):
+                return  # late: the request ended here
+            if kind not in self.opens and request_id not in self.requests:
+                self.requests.hold(request_id, message)
+                return
+        handler = table.get(kind)
         if handler is None:
-            self.log.warning("bus.unexpected", message=type(message).__name__)
+            self.log.warning("bus.unexpected", message=kind.__name__)
             return
         try:
             result = handler(message)
             if inspect.isawaitable(result):
                 await result
-        except Exception:
-            self.log.exception("bus.handler.failed", message=type(message).__name__)
+        except Exception as exc:
+            self.log.exception("bus.handler.failed", message=kind.__name__, request_id=request_id)
+            if request_id is not None:
+                error = f"{self.name} could not handle {kind.__name__}: {exc!r}"
+                await self.fail(request_id, error, getattr(message, "route", None))
+            return
+        if request_id is not None and kind in self.opens:
+            early = self.requests.take_early(request_id)
+            if request_id not in self.requests:
+                if not self.requests.is_over(request_id):
+                    self.requests.end(request_id)  # not opened after all: what was held is moot
+                return
+            for held in early:
+                await self.deliver(held, table)
 
     async def _inbox_loop(self) -> None:
         table = self.handlers()
         while True:
-            await self._dispatch(table, await self.bus.recv())
+            await self.deliver(await self.bus.recv(), table)
 
     async def _launcher_loop(self) -> None:
         table = {StageDown: self.on_stage_down, StageUp: self.on_stage_up, StageStatus: self.on_stage_status}
         while True:
             message = await self.bus.recv_launcher()
-            if type(message) in table:
-                await self._dispatch(table, message)
+            handler = table.get(type(message))
+            if handler is None:
+                continue
+            try:
+                result = handler(message)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                self.log.exception("bus.handler.failed", message=type(message).__name__)
 
     async def _heartbeat_loop(self) -> None:
         seq = 0
         while True:
             await self.bus.send_launcher(Heartbeat(self.ctx.stage, self.replica, seq, self.in_flight()))
+            self.requests.expire()
             seq += 1
             await asyncio.sleep(self.limits.heartbeat_interval_s)

@@ -44,11 +44,11 @@ def build_app(ingress) -> FastAPI:
     async def health() -> JSONResponse:
         down = sorted(f"{stage}-{replica}" for stage, replica in ingress.down)
         stages = ingress.stage_status
-        all_ready = len(stages) == len(ingress.topology.replicas()) and all(
+        all_ready = len(stages) == len(ingress.pipeline.replicas()) and all(
             s["state"] == "ready" for s in stages.values()
         )
         ok = ingress.accepting and not down and all_ready
-        body = {"status": "ok" if ok else "degraded", "down": down, "in_flight": len(ingress.pending),
+        body = {"status": "ok" if ok else "degraded", "down": down, "in_flight": len(ingress.requests),
                 "stages": stages}
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -157,12 +157,12 @@ async def _collect(ingress, http: Request, pending, results, chat: bool):
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             work.cancel()
-            ingress.cancel(pending, "client disconnected")
+            ingress.cancel_request(pending, "client disconnected")
             return JSONResponse({}, status_code=499)
         try:
             last, text = work.result()
         except ApiError:
-            ingress.cancel(pending, "failed")
+            ingress.cancel_request(pending, "failed")
             raise
     finally:
         watch.cancel()
@@ -196,4 +196,4 @@ async def _stream(ingress, pending, results, chat: bool, include_usage: bool):
         yield sse(error_body(exc))
     finally:
         if not finished:
-            ingress.cancel(pending, "client disconnected or failed")
+            ingress.cancel_request(pending, "client disconnected or failed")

@@ -1,22 +1,24 @@
-"""The built-in stages, named as ``"module:Class"`` and imported only when a process needs one."""
+"""The stage kinds: built-in ones named as ``"module:Class"`` and imported only when a process
+needs one; third-party ones through the ``pdflow.stages`` entry-point group::
+
+    [project.entry-points."pdflow.stages"]
+    redact = "mypkg.redact:RedactStage"
+"""
 
 from __future__ import annotations
 
-import importlib
+from pdflow.registry import Registry
+from pdflow.runtime.stage import Stage
 
-BUILTIN: dict[str, str] = {
-    "ingress": "pdflow.stages.ingress:IngressStage",
-    "prefill": "pdflow.stages.prefill:PrefillStage",
-    "kv_shuttle": "pdflow.stages.kv_shuttle:KvShuttleStage",
-    "decode": "pdflow.stages.decode:DecodeStage",
-    "egress": "pdflow.stages.egress:EgressStage",
-    "worker": "pdflow.stages.worker:WorkerStage",
+ENTRY_POINT_GROUP = "pdflow.stages"
+
+BUILTIN: dict[str, tuple[str, str]] = {
+    "ingress": ("pdflow.stages.ingress:IngressStage", ""),
+    "prefill": ("pdflow.stages.prefill:PrefillStage", ""),
+    "kv_shuttle": ("pdflow.stages.kv_shuttle:KvShuttleStage", ""),
+    "decode": ("pdflow.stages.decode:DecodeStage", ""),
+    "egress": ("pdflow.stages.egress:EgressStage", ""),
+    "worker": ("pdflow.stages.worker:WorkerStage", ""),
 }
 
-
-def load_stage(name: str) -> type:
-    target = BUILTIN.get(name)
-    if target is None:
-        raise LookupError(f"unknown stage {name!r}; built-in: {', '.join(BUILTIN)}")
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+registry = Registry("stage kind", ENTRY_POINT_GROUP, Stage, BUILTIN)

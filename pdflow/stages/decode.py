@@ -17,17 +17,8 @@ import torch
 from pdflow import transports
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.stopping import after_decode_step
-from pdflow.messages import (
-    Cancel,
-    DecodeRequest,
-    KvDestination,
-    KvReleased,
-    PrefillDone,
-    RequestFailed,
-    StopRequest,
-    Tokens,
-)
-from pdflow.runtime.stage import Stage
+from pdflow.messages import DecodeRequest, KvDestination, KvReleased, PrefillDone, StopRequest, Tokens
+from pdflow.runtime.stage import Stage, Submission
 
 
 @dataclass(slots=True, eq=False)
@@ -44,21 +35,26 @@ class _Incoming:
 
 
 class DecodeStage(Stage):
-    name = "decode"
+    kind = "decode"
+    outputs = {"tokens": "egress", "destination": "kv_shuttle"}
+    opens = (DecodeRequest,)
+    receives_kv = True
+
+    @classmethod
+    def admission(cls, submission: Submission, name: str) -> DecodeRequest:
+        return DecodeRequest(submission.request_id, len(submission.prompt_ids), submission.sampling, submission.route)
 
     async def setup(self) -> None:
-        topo, cfg = self.topology, self.ctx.config
+        topo, cfg = self.pipeline, self.config
         self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device)
-        link = topo.link("kv_shuttle", "decode")
+        link = topo.link(self.output("destination"), self.ctx.stage)
         self.from_shuttle = transports.create(
             link.transport, host=cfg.host, port=cfg.data_port_of(self.replica), **link.options
         )
         await self.from_shuttle.start()
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="decode-step")
-        self.incoming: dict[str, _Incoming] = {}
-        self.by_region: dict[int, _Incoming] = {}
-        self.early_done: dict[str, PrefillDone] = {}  # PrefillDone that beat its DecodeRequest here
+        self.by_region: dict[int, _Incoming] = {}  # KV still landing
         self.waiting: list[_Incoming] = []  # all KV here, not yet in the batch
         self.running: dict[str, Sequence] = {}
         self.to_remove: set[str] = set()
@@ -75,12 +71,8 @@ class DecodeStage(Stage):
         return {
             DecodeRequest: self.on_request,
             PrefillDone: self.on_prefill_done,
-            Cancel: lambda m: self._drop(m.request_id),
-            StopRequest: lambda m: self._drop(m.request_id),
+            StopRequest: lambda m: self.cancel(m.request_id, "stop string matched"),
         }
-
-    def in_flight(self) -> int:
-        return len(self.incoming) + len(self.waiting) + len(self.running)
 
     # --- KV arrival -------------------------------------------------------------------------
 
@@ -91,20 +83,13 @@ class DecodeStage(Stage):
         self._next_region += 1
         buffer = torch.frombuffer(self.from_shuttle.allocate(region, nbytes), dtype=torch.uint8)
         entry = _Incoming(message, buffer, region, 2 * layout.num_layers, [0.0] * layout.num_layers)
-        self.incoming[message.request_id] = entry
+        self.requests.open(message.request_id, entry)
         self.by_region[region] = entry
         destination = KvDestination(message.request_id, self.from_shuttle.address_for(region), region, nbytes)
-        await self.bus.send("kv_shuttle", message.route.shuttle, destination)
-        early = self.early_done.pop(message.request_id, None)
-        if early is not None:
-            self.on_prefill_done(early)
+        await self.send_output("destination", message.route, destination)
 
     def on_prefill_done(self, message: PrefillDone) -> None:
-        entry = self.incoming.get(message.request_id)
-        if entry is None:
-            if len(self.early_done) < 10_000:
-                self.early_done[message.request_id] = message
-            return
+        entry: _Incoming = self.requests.get(message.request_id)
         entry.done = message
         self._maybe_complete(entry)
 
@@ -118,10 +103,8 @@ class DecodeStage(Stage):
             if entry is None:
                 continue
             if notice.error is not None:
-                rid = entry.request.request_id
-                self._release(entry)
-                failure = RequestFailed(rid, "decode", f"KV chunk lost on its way to decode: {notice.error!r}")
-                await self.bus.send("ingress", entry.request.route.ingress, failure)
+                error = f"KV chunk lost on its way to decode: {notice.error!r}"
+                await self.fail(entry.request.request_id, error, entry.request.route)
                 continue
             entry.chunks_left -= 1
             layer = notice.header.layer
@@ -132,24 +115,24 @@ class DecodeStage(Stage):
         if entry.chunks_left or entry.done is None:
             return
         self._release(entry)
-        if not entry.done.finished:
+        if entry.done.finished:
+            self.finish(entry.request.request_id)
+        else:
             self.waiting.append(entry)
             self.wake.set()
 
     def _release(self, entry: _Incoming) -> None:
         """The KV is all here (or lost): stop receiving into it, let the shuttle free its copy."""
-        rid = entry.request.request_id
-        self.incoming.pop(rid, None)
-        self.by_region.pop(entry.region, None)
+        if self.by_region.pop(entry.region, None) is None:
+            return
         self.from_shuttle.unregister(entry.region)
-        self.spawn(self.bus.send("kv_shuttle", entry.request.route.shuttle, KvReleased(rid)))
+        rid = entry.request.request_id
+        self.spawn(self.send_output("destination", entry.request.route, KvReleased(rid)))
 
-    def _drop(self, request_id: str) -> None:
-        self.early_done.pop(request_id, None)
-        entry = self.incoming.get(request_id)
-        if entry is not None:
-            self._release(entry)
-        self.waiting = [e for e in self.waiting if e.request.request_id != request_id]
+    def on_cancel(self, request_id: str, entry: _Incoming, reason: str) -> None:
+        self._release(entry)
+        if entry in self.waiting:
+            self.waiting.remove(entry)
         if request_id in self.running:
             self.to_remove.add(request_id)
             self.wake.set()
@@ -189,6 +172,8 @@ class DecodeStage(Stage):
             admitted, results = await loop.run_in_executor(self.executor, self._step, admit, remove)
             for seq in admitted:
                 self.running[seq.request_id] = seq
+                if seq.request_id not in self.requests:  # cancelled while it joined
+                    self.to_remove.add(seq.request_id)
             await self._emit(results)
 
     async def _emit(self, results: list[tuple[Sequence, int]]) -> None:
@@ -201,10 +186,11 @@ class DecodeStage(Stage):
             timeline = {}
             if reason is not None:
                 self.to_remove.add(seq.request_id)
+                self.finish(seq.request_id)
                 timeline = dict(entry.done.timeline)
                 timeline["decode.layer_in"] = entry.layer_in
                 timeline["decode.joined"] = [seq.extra["joined"]]
                 timeline["decode.steps"] = seq.extra["steps"]
                 timeline["decode.end"] = [now]
             message = Tokens(seq.request_id, seq.generated - 1, [token], reason, timeline)
-            await self.bus.send("egress", entry.request.route.egress, message)
+            await self.send_output("tokens", entry.request.route, message)

@@ -1,22 +1,21 @@
-"""egress: turns each request's tokens into text, applies stop strings, and streams to ingress.
+"""egress: turns each request's tokens into text, applies stop strings, and streams the text on.
 
 Tokens come from prefill (the first) and decode (the rest) over different sockets, so they are
-put back in order by their index before detokenizing.
+put back in order by their index before detokenizing. The text goes to output ``text`` (ingress,
+unless a pipeline puts a stage in between); a stop string that matches while decode is still
+going tells output ``stop`` (the stage that decodes) to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdflow.serving.detokenizer import IncrementalDetokenizer
 from pdflow.engine import load_tokenizer
-from pdflow.messages import Cancel, EgressRequest, StopRequest, TextDelta, Tokens
-from pdflow.runtime.stage import Stage
+from pdflow.messages import EgressRequest, StopRequest, TextDelta, Tokens
+from pdflow.runtime.stage import Stage, Submission
+from pdflow.serving.detokenizer import IncrementalDetokenizer
 from pdflow.serving.stop_strings import StopStringMatcher
-
-_FINISHED_MEMORY = 10_000
 
 
 @dataclass(slots=True, eq=False)
@@ -28,51 +27,36 @@ class _Stream:
     completion_tokens: int = 0
     pending: dict[int, Tokens] = field(default_factory=dict)
 
+    @property
+    def route(self):
+        return self.request.route
+
 
 class EgressStage(Stage):
-    name = "egress"
+    kind = "egress"
+    outputs = {"text": "ingress", "stop": "decode"}
+    opens = (EgressRequest,)
+
+    @classmethod
+    def admission(cls, submission: Submission, name: str) -> EgressRequest:
+        s = submission
+        return EgressRequest(s.request_id, len(s.prompt_ids), s.sampling.max_tokens, s.stop,
+                             s.skip_special_tokens, s.route)
 
     async def setup(self) -> None:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ctx.model_dir)
-        self.streams: dict[str, _Stream] = {}
-        self.early: dict[str, list[Tokens]] = {}  # tokens that beat their EgressRequest here
-        self.finished: OrderedDict[str, None] = OrderedDict()  # late tokens for these are dropped
 
     def handlers(self):
-        return {EgressRequest: self.on_request, Tokens: self.on_tokens, Cancel: self.on_cancel}
+        return {EgressRequest: self.on_request, Tokens: self.on_tokens}
 
-    def in_flight(self) -> int:
-        return len(self.streams)
-
-    async def on_request(self, message: EgressRequest) -> None:
-        stream = _Stream(
-            message,
-            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=message.skip_special_tokens),
-            StopStringMatcher(message.stop),
-        )
-        self.streams[message.request_id] = stream
-        for tokens in self.early.pop(message.request_id, ()):
-            await self.on_tokens(tokens)
-
-    def on_cancel(self, message: Cancel) -> None:
-        self.streams.pop(message.request_id, None)
-        self.early.pop(message.request_id, None)
-        self._remember_finished(message.request_id)
-
-    def _remember_finished(self, request_id: str) -> None:
-        self.finished[request_id] = None
-        while len(self.finished) > _FINISHED_MEMORY:
-            self.finished.popitem(last=False)
+    def on_request(self, message: EgressRequest) -> None:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=message.skip_special_tokens)
+        self.requests.open(message.request_id, _Stream(message, detokenizer, StopStringMatcher(message.stop)))
 
     async def on_tokens(self, message: Tokens) -> None:
-        stream = self.streams.get(message.request_id)
-        if stream is None:
-            if message.request_id in self.finished:
-                return
-            self.early.setdefault(message.request_id, []).append(message)
-            return
+        stream: _Stream = self.requests.get(message.request_id)
         stream.pending[message.index] = message
-        while stream.next_index in stream.pending and message.request_id in self.streams:
+        while stream.next_index in stream.pending and message.request_id in self.requests:
             tokens = stream.pending.pop(stream.next_index)
             stream.next_index += len(tokens.token_ids)
             await self._emit(stream, tokens)
@@ -85,13 +69,12 @@ class EgressStage(Stage):
         if stopped:
             reason = "stop"
             if tokens.finish_reason is None:  # decode is still going: tell it to stop
-                await self.bus.send(self.topology.decoder, request.route.decode, StopRequest(request.request_id))
+                await self.send_output("stop", request.route, StopRequest(request.request_id))
         elif reason is not None:
             text += stream.matcher.feed(stream.detokenizer.flush())[0] + stream.matcher.flush()
         if reason is None and not text:
             return
-        delta = TextDelta(request.request_id, text, stream.completion_tokens, reason, tokens.timeline)
-        await self.bus.send("ingress", request.route.ingress, delta)
         if reason is not None:
-            del self.streams[request.request_id]
-            self._remember_finished(request.request_id)
+            self.finish(request.request_id)
+        delta = TextDelta(request.request_id, text, stream.completion_tokens, reason, tokens.timeline)
+        await self.send_output("text", request.route, delta)

@@ -16,8 +16,8 @@ from transformers import AutoConfig
 
 from pdflow import transports
 from pdflow.kv.layout import KvLayout
-from pdflow.messages import Cancel, KvChunkHeader, KvDestination, KvExpected, KvReleased, RequestFailed
-from pdflow.runtime.stage import Stage
+from pdflow.messages import KvChunkHeader, KvDestination, KvExpected, KvReleased
+from pdflow.runtime.stage import Stage, Submission
 
 POOL_BYTES = 8 << 30  # the pool's budget; a request beyond it is refused
 
@@ -27,26 +27,35 @@ class _Entry:
     request: KvExpected
     buffer: torch.Tensor
     region: int
+    decode_destination: asyncio.Future  # where decode wants the KV (it may say so before we know the request)
     forwards: set = field(default_factory=set)
+
+    @property
+    def route(self):
+        return self.request.route
 
 
 class KvShuttleStage(Stage):
-    name = "kv_shuttle"
+    kind = "kv_shuttle"
+    outputs = {"destination": "prefill", "kv": "decode"}
+    opens = (KvExpected,)
+    receives_kv = True
+
+    @classmethod
+    def admission(cls, submission: Submission, name: str) -> KvExpected:
+        return KvExpected(submission.request_id, len(submission.prompt_ids), submission.route)
 
     async def setup(self) -> None:
-        topo, cfg = self.topology, self.ctx.config
+        topo, cfg = self.pipeline, self.config
         config = await asyncio.to_thread(AutoConfig.from_pretrained, self.ctx.model_dir)
         self.layout = KvLayout.from_config(config, topo.model.dtype)
-        inbound = topo.link("prefill", "kv_shuttle")
+        inbound = topo.link(self.output("destination"), self.ctx.stage)
         self.from_prefill = transports.create(
             inbound.transport, host=cfg.host, port=cfg.data_port_of(self.replica), **inbound.options
         )
         await self.from_prefill.start()
-        outbound = topo.link("kv_shuttle", "decode")
+        outbound = topo.link(self.ctx.stage, self.output("kv"))
         self.to_decode = transports.create(outbound.transport, host=cfg.host, **outbound.options)
-        self.entries: dict[str, _Entry] = {}
-        # decode may name its destination before ingress's KvExpected gets here: either may come first
-        self.decode_destinations: dict[str, asyncio.Future[KvDestination]] = {}
         self.by_region: dict[int, _Entry] = {}
         self.pool_used = 0
         self._next_region = 0
@@ -57,63 +66,44 @@ class KvShuttleStage(Stage):
         await self.to_decode.aclose()
 
     def handlers(self):
-        return {
-            KvExpected: self.on_expected,
-            KvDestination: self.on_decode_destination,
-            KvReleased: lambda m: self._free(m.request_id),
-            Cancel: self.on_cancel,
-        }
-
-    def in_flight(self) -> int:
-        return len(self.entries)
+        return {KvExpected: self.on_expected, KvDestination: self.on_decode_destination, KvReleased: self.on_released}
 
     async def on_expected(self, message: KvExpected) -> None:
         nbytes = self.layout.request_bytes(message.num_tokens)
         if self.pool_used + nbytes > POOL_BYTES:
-            await self._fail(message, f"KV pool full ({self.pool_used} of {POOL_BYTES} bytes in use)")
+            await self.fail(message.request_id, f"KV pool full ({self.pool_used} of {POOL_BYTES} bytes in use)",
+                            message.route)
             return
         region = self._next_region
         self._next_region += 1
         buffer = torch.frombuffer(self.from_prefill.allocate(region, nbytes), dtype=torch.uint8)
-        entry = _Entry(message, buffer, region)
-        self.entries[message.request_id] = entry
+        future = asyncio.get_running_loop().create_future()
+        entry = self.requests.open(message.request_id, _Entry(message, buffer, region, future))
         self.by_region[region] = entry
         self.pool_used += nbytes
         destination = KvDestination(message.request_id, self.from_prefill.address_for(region), region, nbytes)
-        await self.bus.send("prefill", message.route.prefill, destination)
-
-    def _decode_destination(self, request_id: str) -> asyncio.Future[KvDestination]:
-        future = self.decode_destinations.get(request_id)
-        if future is None:
-            future = self.decode_destinations[request_id] = asyncio.get_running_loop().create_future()
-        return future
+        await self.send_output("destination", message.route, destination)
 
     def on_decode_destination(self, message: KvDestination) -> None:
-        future = self._decode_destination(message.request_id)
+        future = self.requests.get(message.request_id).decode_destination
         if not future.done():
             future.set_result(message)
 
-    def on_cancel(self, message: Cancel) -> None:
-        self._free(message.request_id)
-        future = self.decode_destinations.pop(message.request_id, None)
-        if future is not None:
-            future.cancel()
+    def on_released(self, message: KvReleased) -> None:
+        entry = self.finish(message.request_id)
+        if entry is not None:
+            self._free(entry)
 
-    def _free(self, request_id: str) -> None:
-        entry = self.entries.pop(request_id, None)
-        if entry is None:
-            return
-        self.decode_destinations.pop(request_id, None)
+    def on_cancel(self, request_id: str, entry: _Entry, reason: str) -> None:
+        self._free(entry)
+
+    def _free(self, entry: _Entry) -> None:
         self.by_region.pop(entry.region, None)
         self.from_prefill.unregister(entry.region)
+        entry.decode_destination.cancel()
         for task in entry.forwards:
             task.cancel()
         self.pool_used -= entry.buffer.numel()
-
-    async def _fail(self, request: KvExpected, message: str) -> None:
-        self.log.error("kv.request.failed", request_id=request.request_id, error=message)
-        failure = RequestFailed(request.request_id, "kv-shuttle", message)
-        await self.bus.send("ingress", request.route.ingress, failure)
 
     async def _notice_loop(self) -> None:
         while not self.stopping.is_set():
@@ -125,23 +115,20 @@ class KvShuttleStage(Stage):
             if entry is None:
                 continue  # cancelled meanwhile
             if notice.error is not None:
-                await self._fail(entry.request, f"KV chunk from prefill lost: {notice.error!r}")
-                self._free(entry.request.request_id)
+                await self.fail(entry.request.request_id, f"KV chunk from prefill lost: {notice.error!r}")
                 continue
             task = asyncio.ensure_future(self._forward(entry, notice.header))
             entry.forwards.add(task)
             task.add_done_callback(entry.forwards.discard)
 
     async def _forward(self, entry: _Entry, header: KvChunkHeader) -> None:
+        rid = entry.request.request_id
         try:
-            destination = await asyncio.wait_for(
-                asyncio.shield(self._decode_destination(entry.request.request_id)), self.limits.request_timeout_s
-            )
+            destination = await asyncio.wait_for(asyncio.shield(entry.decode_destination), self.limits.request_timeout_s)
             data = transports.byte_view(entry.buffer[header.offset : header.offset + header.nbytes])
             await self.to_decode.write(destination.address, msgspec.structs.replace(header, region=destination.region), data)
         except asyncio.CancelledError:
             pass
         except (transports.TransportError, asyncio.TimeoutError) as exc:
-            if entry.request.request_id in self.entries:
-                await self._fail(entry.request, f"KV transfer to decode failed: {exc!r}")
-                self._free(entry.request.request_id)
+            if rid in self.requests:
+                await self.fail(rid, f"KV transfer to decode failed: {exc!r}")

@@ -21,12 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.chunked import ChunkedPrefill
 from pdflow.engine.stopping import after_decode_step, finish_reason
-from pdflow.messages import Cancel, PrefillRequest, StopRequest, Tokens
-from pdflow.runtime.stage import Stage
+from pdflow.messages import PrefillRequest, StopRequest, Tokens
+from pdflow.runtime.stage import Stage, Submission
 
 
 class WorkerStage(Stage):
-    name = "worker"
+    kind = "worker"
+    outputs = {"tokens": "egress"}
+    opens = (PrefillRequest,)
+
+    @classmethod
+    def admission(cls, submission: Submission, name: str) -> PrefillRequest:
+        return PrefillRequest(submission.request_id, submission.prompt_ids, submission.sampling, submission.route)
 
     async def setup(self) -> None:
         topo, cfg = self.topology, self.ctx.config
@@ -45,17 +51,15 @@ class WorkerStage(Stage):
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def handlers(self):
-        return {PrefillRequest: self.on_request, Cancel: self.on_gone, StopRequest: self.on_gone}
-
-    def in_flight(self) -> int:
-        return len(self.waiting) + (self.prefilling is not None) + len(self.running)
+        return {PrefillRequest: self.on_request, StopRequest: lambda m: self.cancel(m.request_id, "stop string matched")}
 
     def on_request(self, message: PrefillRequest) -> None:
+        self.requests.open(message.request_id, message)
         self.waiting.append((message, time.monotonic()))
         self.wake.set()
 
-    def on_gone(self, message: Cancel | StopRequest) -> None:
-        self.gone.add(message.request_id)
+    def on_cancel(self, request_id: str, request: PrefillRequest, reason: str) -> None:
+        self.gone.add(request_id)
         self.wake.set()
 
     # --- on the step thread -------------------------------------------------------------------
@@ -119,7 +123,9 @@ class WorkerStage(Stage):
                     if request.request_id not in self.running:
                         self.gone.discard(request.request_id)
                     continue
-                await self.bus.send("egress", request.route.egress, Tokens(request.request_id, 0, [token], reason))
+                if reason is not None:
+                    self.finish(request.request_id)
+                await self.send_output("tokens", request.route, Tokens(request.request_id, 0, [token], reason))
             for seq in joined:
                 self.running[seq.request_id] = seq
             await self._emit(results)
@@ -134,6 +140,7 @@ class WorkerStage(Stage):
             timeline = {}
             if reason is not None:
                 self.gone.add(seq.request_id)
+                self.finish(seq.request_id)
                 timeline = {**seq.extra["timeline"], "decode.steps": seq.extra["steps"], "decode.end": [now]}
             message = Tokens(seq.request_id, seq.generated - 1, [token], reason, timeline)
-            await self.bus.send("egress", request.route.egress, message)
+            await self.send_output("tokens", request.route, message)

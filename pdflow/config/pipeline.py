@@ -1,0 +1,308 @@
+"""The pipeline as data: which model, which stages (by kind) with how many replicas where, how
+their outputs connect, the KV links between them, and the router.
+
+A :class:`Pipeline` is what ``topology.toml`` decodes into (:mod:`pdflow.config.topology`) and
+what code builds::
+
+    pipeline = (Pipeline.default()
+                .with_stage("redact", "mypkg.redact:RedactStage", after="egress", output="text",
+                            options={"words": ["secret"]})
+                .with_router("least_loaded"))
+    pipeline.check()  # PipelineError("stages.redact.kind: ...") when something does not fit
+
+It is frozen and picklable: the launcher hands it as is to every stage process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STAGE_NAMES = ("ingress", "prefill", "kv_shuttle", "decode", "egress")  # mode "disaggregated"
+COLOCATED_STAGE_NAMES = ("ingress", "worker", "egress")  # mode "colocated"
+MODES = {"disaggregated": STAGE_NAMES, "colocated": COLOCATED_STAGE_NAMES}
+KV_STREAMING = ("layer", "request")
+DTYPES = ("float32", "bfloat16", "float16")
+LINK_PAIRS = (("prefill", "kv_shuttle"), ("kv_shuttle", "decode"))  # the disaggregated mode's links
+DEFAULT_PORTS = {
+    "ingress": 5510, "prefill": 5520, "kv_shuttle": 5530, "decode": 5540, "egress": 5550, "worker": 5560,
+}
+PLUGIN_PORTS = 5570  # stages of other kinds without a port: 5570, 5580, ... in pipeline order
+DEFAULT_DATA_PORTS = {"kv_shuttle": 5630, "decode": 5640}  # only the stages that receive KV
+MODE_OUTPUTS = {"colocated": {"egress": {"stop": "worker"}}}  # where a mode rewires built-in outputs
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class PipelineError(ValueError):
+    """A pipeline that cannot run: ``key`` is the dotted key at fault (``stages.redact.outputs``)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(key, message)
+        self.key, self.message = key, message
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    source: str = "smollm2"
+    dtype: str = "float32"
+    served_name: str = "smollm2"  # resolved: never ""
+    is_path: bool = False
+    path: Path | None = None  # absolute, when is_path
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass(frozen=True, slots=True)
+class ControlConfig:
+    """The launcher's endpoints: stages push to a PULL on ``port`` and listen to a PUB on ``port + 1``."""
+
+    host: str = "127.0.0.1"
+    port: int = 5500
+
+    @property
+    def pull_address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def pub_address(self) -> str:
+        return f"tcp://{self.host}:{self.port + 1}"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_batch: int = 32
+    max_queued_requests: int = 256
+    request_timeout_s: float = 300.0
+    ready_timeout_s: float = 180.0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    shutdown_grace_s: float = 5.0
+    max_restarts: int = 5
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How prefill and decode are arranged.
+
+    ``mode``: "disaggregated" (prefill, kv-shuttle and decode processes) or "colocated" (one
+    worker process does both: the baseline disaggregation is compared with).
+    ``kv_streaming``: "layer" sends each layer's KV the moment it is computed; "request" sends
+    it all after the prefill (the naive design, for comparison).
+    ``chunked_prefill_tokens``: colocated only; 0 prefills whole prompts, N interleaves prefill
+    chunks of N tokens with decode steps.
+    """
+
+    mode: str = "disaggregated"
+    kv_streaming: str = "layer"
+    chunked_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How ingress picks each stage's replica: a policy name (``round_robin``, ``least_loaded``,
+    ``power_of_two``, an entry point of ``pdflow.routers``, ``"module:Class"``) or a Router class."""
+
+    policy: str | type = "round_robin"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StageConfig:
+    """One stage; replica ``i`` listens on ``port + i`` (and receives KV on ``data_port + i``).
+
+    ``kind``: which Stage class runs it (a registry name, ``"module:Class"`` or the class; "" =
+    the stage's name). ``outputs``: rewires the kind's named outputs to other stages, e.g.
+    ``{"text": "redact"}``. ``options``: settings for the kind (plug-in stages read them).
+    """
+
+    name: str
+    replicas: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_port: int | None = None
+    cores: tuple[int, ...] = ()
+    device: str = "cpu"
+    kind: str | type = ""
+    outputs: dict[str, str] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind_name(self) -> str | type:
+        return self.kind or self.name
+
+    def control_address(self, replica: int) -> str:
+        return f"tcp://{self.host}:{self.port + replica}"
+
+    def data_port_of(self, replica: int) -> int:
+        if self.data_port is None:
+            raise ValueError(f"stage {self.name} receives no KV data, so it has no data port")
+        return self.data_port + replica
+
+    @property
+    def display_name(self) -> str:
+        return self.name.replace("_", "-")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    src: str
+    dst: str
+    transport: str = "tcp"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    model: ModelConfig = ModelConfig()
+    server: ServerConfig = ServerConfig()
+    control: ControlConfig = ControlConfig()
+    limits: Limits = Limits()
+    stages: dict[str, StageConfig] = field(default_factory=dict)  # in pipeline order, ingress first
+    links: tuple[LinkConfig, ...] = ()
+    engine: EngineConfig = EngineConfig()
+    router: RouterConfig = RouterConfig()
+    path: Path | None = None  # the topology file it came from (absolute), if any
+
+    # --- building in code ----------------------------------------------------------------------
+
+    @classmethod
+    def default(cls, mode: str = "disaggregated", model: str | ModelConfig = "smollm2", **fields: Any) -> Pipeline:
+        """The built-in pipeline of ``mode`` with default ports, links and limits."""
+        if mode not in MODES:
+            raise PipelineError("engine.mode", f"expected one of {', '.join(MODES)}, got {mode!r}")
+        if isinstance(model, str):
+            model = ModelConfig(source=model, served_name=model)
+        stages = {name: default_stage(name, mode) for name in MODES[mode]}
+        links = tuple(LinkConfig(*pair) for pair in LINK_PAIRS) if mode == "disaggregated" else ()
+        engine = fields.pop("engine", EngineConfig(mode=mode))
+        return cls(model=model, stages=stages, links=links, engine=engine, **fields)
+
+    def replace(self, **changes: Any) -> Pipeline:
+        return dataclasses.replace(self, **changes)
+
+    def with_stage(
+        self, name: str, kind: str | type, *, after: str | None = None, output: str = "text",
+        **config: Any,
+    ) -> Pipeline:
+        """Add stage ``name`` of ``kind``. With ``after``: splice it into ``after``'s ``output``
+        (what went from ``after`` to X now goes ``after`` -> ``name`` -> X); ``config`` sets the
+        other StageConfig fields (replicas, port, options, ...)."""
+        if name in self.stages:
+            raise PipelineError(f"stages.{name}", f"there is already a stage named {name!r}")
+        stages = dict(self.stages)
+        outputs = dict(config.pop("outputs", {}))
+        if after is not None:
+            if after not in stages:
+                raise PipelineError(f"stages.{name}", f"cannot insert after {after!r}: no such stage")
+            upstream = stages[after]
+            target = upstream.outputs.get(output) or _default_output(upstream, output)
+            outputs.setdefault(output, target)
+            stages[after] = dataclasses.replace(upstream, outputs={**upstream.outputs, output: name})
+        port = config.pop("port", 0) or _free_plugin_port(stages)
+        stages[name] = StageConfig(name=name, kind=kind, port=port, outputs=outputs, **config)
+        return dataclasses.replace(self, stages=stages)
+
+    def with_stage_config(self, name: str, **changes: Any) -> Pipeline:
+        if name not in self.stages:
+            raise PipelineError(f"stages.{name}", f"no stage named {name!r}")
+        stages = {**self.stages, name: dataclasses.replace(self.stages[name], **changes)}
+        return dataclasses.replace(self, stages=stages)
+
+    def with_router(self, policy: str | type, **options: Any) -> Pipeline:
+        return dataclasses.replace(self, router=RouterConfig(policy, options))
+
+    def with_transport(self, transport: str, **options: Any) -> Pipeline:
+        """Every KV link over ``transport`` (``"inproc"`` for a pipeline inside one process)."""
+        links = tuple(dataclasses.replace(link, transport=transport, options=options) for link in self.links)
+        return dataclasses.replace(self, links=links)
+
+    def with_ports(self, base: int) -> Pipeline:
+        """Every port from ``base`` up: the server, the launcher's two, then each stage's."""
+        port = base + 3
+        stages = {}
+        for name, stage in self.stages.items():
+            changes: dict[str, Any] = {"port": port}
+            port += stage.replicas
+            if stage.data_port is not None:
+                changes["data_port"] = port
+                port += stage.replicas
+            stages[name] = dataclasses.replace(stage, **changes)
+        return dataclasses.replace(self, server=ServerConfig(self.server.host, base),
+                                   control=ControlConfig(self.control.host, base + 1), stages=stages)
+
+    def ports_needed(self) -> int:
+        return 3 + sum(s.replicas * (2 if s.data_port is not None else 1) for s in self.stages.values())
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    @property
+    def colocated(self) -> bool:
+        return self.engine.mode == "colocated"
+
+    def link(self, src: str, dst: str) -> LinkConfig:
+        for link in self.links:
+            if (link.src, link.dst) == (src, dst):
+                return link
+        raise KeyError(f"no data-plane link {src} -> {dst}")
+
+    def replicas(self) -> list[tuple[str, int]]:
+        """Every ``(stage, replica)`` to start, stage by stage in pipeline order."""
+        return [(name, i) for name, stage in self.stages.items() for i in range(stage.replicas)]
+
+    def stage_class(self, name: str) -> type:
+        from pdflow.stages import registry
+
+        return registry.load(self.stages[name].kind_name)
+
+    def message_types(self) -> tuple[type, ...]:
+        """The built-in messages plus every plug-in stage's own: what each bus decodes."""
+        from pdflow.messages import with_plugins
+
+        extra: list[type] = []
+        for name in self.stages:
+            extra += self.stage_class(name).messages
+        return with_plugins(tuple(extra))
+
+    def check(self) -> Pipeline:
+        """Raise PipelineError for anything that cannot run (see :mod:`pdflow.config.checks`)."""
+        from pdflow.config.checks import check_pipeline
+
+        check_pipeline(self)
+        return self
+
+
+def default_stage(name: str, mode: str = "disaggregated", **config: Any) -> StageConfig:
+    """A built-in stage with its default ports (and outputs, in ``mode``)."""
+    config.setdefault("port", DEFAULT_PORTS[name])
+    if name in DEFAULT_DATA_PORTS:
+        config.setdefault("data_port", DEFAULT_DATA_PORTS[name])
+    config["outputs"] = {**MODE_OUTPUTS.get(mode, {}).get(name, {}), **config.get("outputs", {})}
+    return StageConfig(name=name, **config)
+
+
+def _default_output(stage: StageConfig, output: str) -> str:
+    from pdflow.stages import registry
+
+    outputs = registry.load(stage.kind_name).outputs
+    if output not in outputs:
+        raise PipelineError(f"stages.{stage.name}.outputs", f"a {stage.kind_name} stage has no output {output!r}; "
+                            f"its outputs: {', '.join(outputs) or 'none'}")
+    return outputs[output]
+
+
+def _free_plugin_port(stages: dict[str, StageConfig]) -> int:
+    taken = {s.port + i for s in stages.values() for i in range(s.replicas)}
+    port = PLUGIN_PORTS
+    while port in taken:
+        port += 10
+    return port

@@ -1,0 +1,37 @@
+"""Routers: how ingress picks the replica of each stage that serves a request.
+
+Built-in policies: ``round_robin`` (the default), ``least_loaded`` and ``power_of_two``; a
+third-party router arrives through the ``pdflow.routers`` entry-point group (or is named as
+``"module:Class"``). Select one in the topology::
+
+    [router]
+    policy = "least_loaded"
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdflow.registry import Registry
+from pdflow.routing.base import NoReplicaAvailable, ReplicaStatus, Router, RoutingRequest
+
+__all__ = ["NoReplicaAvailable", "ReplicaStatus", "Router", "RoutingRequest", "create", "registry"]
+
+ENTRY_POINT_GROUP = "pdflow.routers"
+
+BUILTIN: dict[str, tuple[str, str]] = {
+    "round_robin": ("pdflow.routing.policies:RoundRobinRouter", ""),
+    "least_loaded": ("pdflow.routing.policies:LeastLoadedRouter", ""),
+    "power_of_two": ("pdflow.routing.policies:PowerOfTwoRouter", ""),
+}
+
+registry = Registry("router", ENTRY_POINT_GROUP, Router, BUILTIN)
+
+
+def create(policy: str | type, options: dict[str, Any] | None = None) -> Router:
+    """A router of ``policy`` built with ``options`` (TypeError naming an option it does not take)."""
+    cls = registry.load(policy)
+    try:
+        return cls(**(options or {}))
+    except TypeError as exc:
+        raise TypeError(f"router {policy!r}: {exc}") from None

@@ -1,0 +1,55 @@
+"""The Router interface: ingress asks it, for each stage of a request's route, which replica.
+
+A router sees the request (its id and prompt token ids: what a cache-aware router needs) and
+every replica's live status: whether it is healthy, the in-flight count from its latest
+heartbeat, and how many of ingress's requests it holds now (ingress counts those itself, so
+they are never stale). Only healthy replicas are offered; ``pick`` returns one of them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+class NoReplicaAvailable(RuntimeError):
+    """Every replica of the stage is down (ingress answers 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    request_id: str
+    prompt_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    replica: int
+    healthy: bool = True
+    in_flight: int = 0  # from the replica's latest heartbeat (about a second old)
+    assigned: int = 0  # ingress's requests on this replica now (exact)
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.assigned)
+
+
+class Router(ABC):
+    """Picks a replica of a stage for a request. Called on ingress's event loop: keep it quick."""
+
+    @abstractmethod
+    def pick(self, stage: str, request: RoutingRequest, replicas: list[ReplicaStatus]) -> int:
+        """The replica (its ``replica`` number) of ``stage`` that serves ``request``, one of
+        ``replicas`` (never empty, all healthy)."""
+
+    def route(self, stage: str, request: RoutingRequest, replicas: list[ReplicaStatus]) -> int:
+        """What ingress calls: only the healthy replicas are offered to :meth:`pick`, and its
+        answer is checked."""
+        healthy = [r for r in replicas if r.healthy]
+        if not healthy:
+            raise NoReplicaAvailable(stage)
+        picked = self.pick(stage, request, healthy)
+        if picked not in {r.replica for r in healthy}:
+            raise ValueError(f"{type(self).__name__} picked replica {picked!r} of {stage}, which is not one "
+                             f"of the healthy replicas {[r.replica for r in healthy]}")
+        return picked
