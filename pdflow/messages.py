@@ -286,14 +286,12 @@ def encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
 
 
-def decoder(types: tuple[type, ...] = ALL_MESSAGES) -> msgspec.msgpack.Decoder:
-    """A typed decoder for ``types`` (the built-in messages, plus plug-in stages' own); create one
-    per socket, once."""
-    for t in types:
-        if not (isinstance(t, type) and issubclass(t, Message)):
-            raise TypeError(f"{t!r} is not a pdflow.messages.Message subclass")
-    kind = types[0] if len(types) == 1 else Union[types]  # noqa: UP007 (a runtime union of classes)
-    return msgspec.msgpack.Decoder(kind)
+def decoder(types: type | tuple[type, ...] = ALL_MESSAGES) -> msgspec.msgpack.Decoder:
+    """A typed decoder for one type or a tuple of message types (the built-in messages, plus
+    plug-in stages' own); create one per socket, once."""
+    if isinstance(types, tuple):
+        types = types[0] if len(types) == 1 else Union[types]  # noqa: UP007 (a runtime union)
+    return msgspec.msgpack.Decoder(types)
 
 
 def with_plugins(extra: tuple[type, ...]) -> tuple[type, ...]:
@@ -301,6 +299,8 @@ def with_plugins(extra: tuple[type, ...]) -> tuple[type, ...]:
     types = list(ALL_MESSAGES)
     tags = {t.__name__: t for t in types}
     for t in extra:
+        if not (isinstance(t, type) and issubclass(t, Message)):
+            raise TypeError(f"{t!r} is not a pdflow.messages.Message subclass")
         if tags.get(t.__name__) is t:
             continue
         if t.__name__ in tags:

@@ -12,12 +12,21 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 # PDFLOW_EXTRAS: the extras to install with pdflow (scripts/test.sh adds ucx, so that the ucx
-# transport's tests run rather than skip).
+# transport's tests run rather than skip). The stamp records what was installed; a run that asks
+# for a subset of it (run.sh after test.sh) installs nothing, one that asks for more installs the
+# union, so alternating the README's two commands never reinstalls.
 extras=${PDFLOW_EXTRAS:-test}
 stamp=.venv/.pdflow-installed
-want=$( (cat pyproject.toml scripts/setup.sh; echo "$extras") | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "pdflow setup: installing dependencies into .venv" >&2
+sources=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+read -r stamped_sources installed < "$stamp" 2>/dev/null || true
+if [ "${stamped_sources:-}" = "$sources" ]; then
+  extras=$(printf '%s\n' ${installed//,/ } ${extras//,/ } | sort -u | paste -sd, -)
+  missing=$(comm -13 <(printf '%s\n' ${installed//,/ } | sort -u) <(printf '%s\n' ${extras//,/ } | sort -u))
+else
+  missing=all
+fi
+if [ -n "$missing" ]; then
+  echo "pdflow setup: installing dependencies into .venv (extras: $extras)" >&2
   .venv/bin/python -m pip install --quiet --upgrade pip
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     # Without a GPU, take the CPU build of torch (a pinned release lies on this machine's
@@ -33,11 +42,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
       *,ucx,*)  # ucxx publishes wheels for some platforms and Pythons only: go on without it
         echo "pdflow setup: WARNING: installing the ucx extra failed; continuing without it" \
              "(the ucx transport's tests will skip, saying ucxx is not installed)" >&2
-        .venv/bin/python -m pip install --quiet -e ".[test]" ;;
+        extras=$(printf '%s\n' ${extras//,/ } | grep -vx ucx | paste -sd, -)
+        .venv/bin/python -m pip install --quiet -e ".[$extras]" ;;
       *) exit 1 ;;
     esac
   fi
-  echo "$want" > "$stamp"
+  echo "$sources $extras" > "$stamp"
 fi
 
 .venv/bin/pdflow models pull smollm2 >/dev/null

@@ -22,7 +22,7 @@ from pdflow.bench.workloads import WorkloadSpec, build, shared_prefix_blocks
 # Only the tests that start a server carry the e2e mark: the rest are fast unit tests that should
 # still run under `-m "not e2e"`.
 e2e = pytest.mark.e2e
-TRACES = Path(__file__).parents[1] / ".." / "shared" / "traces"
+TRACES = Path(__file__).parent / "data"  # an excerpt of Mooncake's trace (see data/README.md)
 DISTRIBUTIONS = ("ttft_ms", "tbt_ms", "tbt_mooncake_ms", "tpot_ms", "e2e_ms")
 SCALARS = ("requests", "completed", "failed", "errors", "duration_s", "request_throughput",
            "input_token_throughput", "output_token_throughput", "total_token_throughput", "input_tokens",
@@ -223,13 +223,13 @@ def test_smoke_fixed_workload(server, tmp_path):
 @e2e
 def test_trace_replay_keeps_prefixes(server, tmp_path):
     result = _bench(server, tmp_path, "--dataset", "trace", "--dataset-path",
-                    str(TRACES / "conversation_trace.jsonl"), "--token-scale", "0.01", "--time-scale", "1000",
+                    str(TRACES / "conversation_trace_excerpt.jsonl"), "--token-scale", "0.01", "--time-scale", "1000",
                     "--limit", "3", "--save-prompts")
     (run,) = result["runs"]
     _check_consistent(run)
     block = result["workload"]["block_tokens"]
     assert block == 5
-    rows = [json.loads(line) for line in (TRACES / "conversation_trace.jsonl").open().readlines()[:3]]
+    rows = [json.loads(line) for line in (TRACES / "conversation_trace_excerpt.jsonl").open().readlines()[:3]]
     a, b = run["records"][0], run["records"][1]
     shared = next(i for i, (x, y) in enumerate(zip(rows[0]["hash_ids"], rows[1]["hash_ids"])) if x != y)
     assert shared >= 1  # the trace's first two requests share their first block

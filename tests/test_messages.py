@@ -9,11 +9,11 @@ import pytest
 from pdflow.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Cancel, DecodeRequest, EgressRequest, Heartbeat, Hello,
     KvChunkHeader, KvDestination, KvExpected, KvReleased, PrefillDone, PrefillRequest,
-    ProtocolMismatch, Ready, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
+    ProtocolMismatch, ProtocolRefused, Ready, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
     StageStatus, StageUp, StopRequest, TextDelta, Tokens, check_hello, decoder, encoder,
 )
 
-ROUTE = Route(ingress=0, prefill=1, shuttle=2, decode=3, egress=1)
+ROUTE = Route({"ingress": 0, "prefill": 1, "kv_shuttle": 2, "decode": 3, "egress": 1})
 SAMPLING = SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=1234,
                           stop_token_ids=(2, 49152), ignore_eos=True)
 TIMELINE = {"prefill.start": [12.5], "kv.layer.sent": [12.51, 12.52, 12.53], "decode.step": []}
@@ -58,6 +58,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     StageDown: [StageDown("kv_shuttle", 0, "exited with status -9")],
     StageUp: [StageUp("kv_shuttle", 0)],
     StageStatus: [StageStatus("decode", 0, "restarting", 4244, 3, 2)],
+    ProtocolRefused: [ProtocolRefused("decode", 0, "prefill-0 (pid 7) speaks pdflow protocol 1")],
 }
 
 HEADER = KvChunkHeader("req-1", 29, 1, 0, 17, "bfloat16", (17, 3, 64), 4, 1_234_560, 6528, 2**64 - 1)
@@ -157,10 +158,11 @@ def test_wire_format_is_an_array_tagged_with_the_class_name() -> None:
             value = getattr(message, field.name)
             if not isinstance(value, msgspec.Struct | tuple):
                 assert item == value, (type(message).__name__, field.name)
-    assert msgspec.msgpack.decode(encoder().encode(ROUTE)) == [0, 1, 2, 3, 1]
+    route_map = {"ingress": 0, "prefill": 1, "kv_shuttle": 2, "decode": 3, "egress": 1}
+    assert msgspec.msgpack.decode(encoder().encode(ROUTE)) == [route_map]
     raw = msgspec.msgpack.decode(encoder().encode(SAMPLES[PrefillRequest][1]))
     assert raw[:3] == ["PrefillRequest", "req-2", list(range(500))]
-    assert raw[3][:5] == [64, 0.7, 0.9, 40, 1234] and raw[4] == [0, 1, 2, 3, 1]
+    assert raw[3][:5] == [64, 0.7, 0.9, 40, 1234] and raw[4] == [route_map]
 
 
 def test_older_and_newer_peers_still_decode() -> None:
@@ -188,7 +190,7 @@ def test_field_order_is_pinned() -> None:
     assert _names(SamplingParams) == [
         "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
     ]
-    assert _names(Route) == ["ingress", "prefill", "shuttle", "decode", "egress"]
+    assert _names(Route) == ["replicas"]
     assert _names(Hello) == ["protocol_version", "stage", "replica", "pid"]
 
 

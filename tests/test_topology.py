@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from pdflow.config.toml_lines import LineMap
-from pdflow.config.topology import STAGE_NAMES, Limits, Topology, TopologyError, load_topology, parse_topology
+from pdflow.config.topology import STAGE_NAMES, Limits, Pipeline, TopologyError, load_topology, parse_topology
 
 REPO = Path(__file__).parents[1]
 
 
-def parse(*lines: str, path: Path = Path("topo.toml")) -> Topology:
+def parse(*lines: str, path: Path = Path("topo.toml")) -> Pipeline:
     return parse_topology("\n".join(lines) + "\n", path)
 
 

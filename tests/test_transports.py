@@ -115,6 +115,51 @@ def test_unknown_options_are_rejected() -> None:
         transports.create("tcp", timeuot_s=3)
 
 
+# --- the shared write path (Transport.write) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name", transports.names())
+async def test_writes_to_one_address_land_in_call_order(name: str) -> None:
+    if (reason := transports.availability(name)) is not None:
+        pytest.skip(reason)
+    async with transports.create(name) as receiver, transports.create(name) as sender:
+        receiver.register(1, bytearray(64 << 10))
+        payloads = [random.randbytes(n) for n in (1000, 0, 1, 1024, 77) * 8]
+        chunks = [(header(1, i * 1024, data, layer=i), data) for i, data in enumerate(payloads)]
+        address = receiver.address_for(1)
+        await asyncio.wait_for(asyncio.gather(*(sender.write(address, c, d) for c, d in chunks)), 20)
+        notices = [await asyncio.wait_for(receiver.next_notice(), 20) for _ in chunks]
+    assert [n.header.layer for n in notices] == list(range(len(chunks)))
+    assert all(n.error is None for n in notices), notices
+
+
+def _silent_listener(name: str) -> tuple[socket.socket, str]:
+    """A listener whose connections the kernel accepts but nobody answers, and its address."""
+    if name == "shm":
+        sock, label = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), f"pdflow-silent-{os.getpid()}"
+        sock.bind("\0" + label)
+        sock.listen(64)
+        return sock, f"shm://@{label}"
+    sock = socket.create_server(("127.0.0.1", 0))
+    return sock, f"{name}://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("name", ["tcp", "shm", "ucx"])
+async def test_writes_queued_behind_a_failed_connect_fail_fast(name: str) -> None:
+    """A peer that accepts but never answers: one connect timeout, not one per queued write."""
+    if (reason := transports.availability(name)) is not None:
+        pytest.skip(reason)
+    silent, address = _silent_listener(name)
+    with silent:
+        async with transports.create(name, timeout_s=0.5) as sender:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            writes = [sender.write(address, header(1, 0, b"x"), b"x") for _ in range(20)]
+            outcomes = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 10)
+            assert all(isinstance(o, PeerUnreachable) for o in outcomes), outcomes
+            assert loop.time() - started < 3
+
+
 # --- tcp specifics -------------------------------------------------------------------------
 
 
@@ -140,20 +185,6 @@ async def test_tcp_handshake_rejects_other_versions() -> None:
             await sender.write("udp://nowhere", header(1, 0, b"x"), b"x")
     await asyncio.wait_for(serving, 5)
     listener.close()
-
-
-async def test_tcp_writes_queued_behind_a_failed_connect_fail_fast() -> None:
-    """A peer that accepts but never answers: one connect timeout, not one per queued write."""
-    silent = socket.create_server(("127.0.0.1", 0))
-    address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
-    async with transports.create("tcp", timeout_s=0.5) as sender:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        writes = [sender.write(address, header(1, 0, b"x"), b"x") for _ in range(20)]
-        outcomes = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 10)
-        assert all(isinstance(o, PeerUnreachable) for o in outcomes), outcomes
-        assert loop.time() - started < 3
-    silent.close()
 
 
 async def test_tcp_unreachable_peer() -> None:
@@ -256,7 +287,7 @@ async def _allocated_regions() -> None:
             data = random.randbytes(size)
             await _write_and_expect(sender, receiver, header(region, GUARD, data), data)
             assert view[GUARD : GUARD + size] == data and view[:GUARD] == view[GUARD + size :] == guard
-        link = sender._links[receiver.address]
+        link = sender._routes[receiver.address].link
         assert all(isinstance(link.mappings.get(r), tuple) for r in range(len(SIZES))), "not mapped"
         before = bytes(views[1])  # 1 + 2 * GUARD bytes
         cases = [  # region, offset, payload, bad checksum, the error in the notice

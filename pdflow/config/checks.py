@@ -12,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdflow.config.pipeline import DEVICE, MODES, Pipeline, PipelineError, StageConfig
+from pdflow.config.pipeline import (
+    DEFAULT_PORTS,
+    DEVICE,
+    LINK_PAIRS,
+    MODES,
+    Pipeline,
+    PipelineError,
+    StageConfig,
+)
+from pdflow.config.toml_reader import describe
 from pdflow.registry import spec_name
 
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]"})
@@ -45,7 +54,7 @@ def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:
     if stage.replicas < 1:
         raise PipelineError(f"{key}.replicas", f"expected an integer >= 1, got {stage.replicas}")
     if not DEVICE.fullmatch(stage.device):
-        raise PipelineError(f"{key}.device", f'expected "cpu", "cuda" or "cuda:N", got {stage.device!r}')
+        raise PipelineError(f"{key}.device", f'expected "cpu", "cuda" or "cuda:N", got {describe(stage.device)}')
     from pdflow.stages import registry
 
     builtin = isinstance(stage.kind_name, str) and stage.kind_name in registry.builtin
@@ -76,6 +85,11 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
         for end in (link.src, link.dst):
             if end not in pipeline.stages:
                 raise PipelineError(key, f"link {link.src} -> {link.dst}: there is no stage {end!r}")
+        builtin = {link.src, link.dst} <= set(DEFAULT_PORTS) and not (pipeline.stages[link.src].kind
+                                                                     or pipeline.stages[link.dst].kind)
+        if builtin and (link.src, link.dst) not in LINK_PAIRS:
+            pairs = " or ".join(f"{s} -> {d}" for s, d in LINK_PAIRS)
+            raise PipelineError(key, f"no data-plane link {link.src} -> {link.dst}; expected {pairs}")
         if pipeline.stages[link.dst].data_port is None:
             raise PipelineError(key, f"link {link.src} -> {link.dst}: {link.dst} has no data port to receive KV on")
         if (link.src, link.dst) in seen:

@@ -178,8 +178,10 @@ def _stage(r: TableReader, name: str, t: dict[str, Any], mode: str,
     prefix = f"stages.{name}"
     builtin = earlier is None
     if not builtin and "kind" not in t:
-        raise r.error(prefix, f"stage {name!r} is not a built-in stage ({', '.join(DEFAULT_PORTS)}); "
-                      'name its kind, e.g. kind = "mypkg.module:MyStage" or an entry point of pdflow.stages')
+        close = difflib.get_close_matches(name, list(DEFAULT_PORTS), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise r.error(prefix, f"unknown stage '{name}'; {hint}the built-in stages are {', '.join(DEFAULT_PORTS)}; "
+                      'a stage of another kind names it, e.g. kind = "mypkg.module:MyStage"')
     if "data_port" in t and builtin and name not in DEFAULT_DATA_PORTS:
         raise r.error(f"{prefix}.data_port",
                       f"only kv_shuttle and decode receive KV data; remove data_port from [{prefix}]")
