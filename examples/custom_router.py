@@ -24,6 +24,7 @@ from collections import Counter
 
 import openai
 
+from pdflow.log import configure_logging
 from pdflow import LocalPipeline, Pipeline, ReplicaStatus, Router, RoutingRequest
 
 
@@ -59,6 +60,7 @@ async def main(port: int) -> Counter:
 
 
 if __name__ == "__main__":
+    configure_logging("console", "warning", stage="local")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=18100, help="the HTTP port (default: %(default)s)")
     picks = asyncio.run(main(parser.parse_args().port))

@@ -14,6 +14,7 @@ import asyncio
 
 import openai
 
+from pdflow.log import configure_logging
 from pdflow import LocalPipeline, Pipeline
 
 
@@ -27,6 +28,7 @@ async def main(port: int, question: str) -> str:
 
 
 if __name__ == "__main__":
+    configure_logging("console", "warning", stage="local")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=18000, help="the HTTP port (default: %(default)s)")
     parser.add_argument("--question", default="What is the capital of France?")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,17 @@ def _eos_ids(model_dir: Path, config) -> frozenset[int]:
     return frozenset(flat)
 
 
+# transformers builds a model on the meta device under a process-wide switch, so two loads at once
+# in one process (prefill and decode of a LocalPipeline) corrupt each other: one at a time
+_LOADING = threading.Lock()
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    with _LOADING:
+        return _load_model(model_dir, dtype, device)
+
+
+def _load_model(model_dir: str | Path, dtype: str, device: str) -> LoadedModel:
     """Load weights with sdpa attention, in eval mode, on ``device``."""
     from transformers import AutoModelForCausalLM
 

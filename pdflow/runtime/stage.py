@@ -81,13 +81,17 @@ class Stage:
     ``kind``: the registry name. ``messages``: the plug-in message types this stage sends or
     receives (subclasses of :class:`pdflow.messages.Message`; every bus decodes them). ``outputs``:
     where each named output goes by default (a pipeline may rewire it). ``opens``: the message
-    types that open a request here. ``receives_kv``: the stage has a data port (KV lands here).
+    types that open a request here (a handler of one that does not open it ends it: what was
+    held for it is dropped). ``stateless``: the stage keeps nothing per request (a filter that
+    passes each message on), so the table is not applied. ``receives_kv``: the stage has a data
+    port (KV lands here).
     """
 
     kind: ClassVar[str] = ""
     messages: ClassVar[tuple[type, ...]] = ()
     outputs: ClassVar[dict[str, str]] = {}
     opens: ClassVar[tuple[type, ...]] = ()
+    stateless: ClassVar[bool] = False
     receives_kv: ClassVar[bool] = False
     default_port: ClassVar[int | None] = None
 
@@ -220,7 +224,7 @@ class Stage:
         """Apply the request table to ``message``, then run its handler (see the module doc)."""
         table = self.handlers() if table is None else table
         kind = type(message)
-        request_id = getattr(message, "request_id", None)
+        request_id = None if self.stateless else getattr(message, "request_id", None)
         if request_id is not None:
             if kind is Cancel:
                 await self.cancel(request_id, message.reason)
@@ -240,9 +244,10 @@ class Stage:
                 await result
         except Exception as exc:
             self.log.exception("bus.handler.failed", message=kind.__name__, request_id=request_id)
-            if request_id is not None:
+            failed = getattr(message, "request_id", None)
+            if failed is not None:
                 error = f"{self.name} could not handle {kind.__name__}: {exc!r}"
-                await self.fail(request_id, error, getattr(message, "route", None))
+                await self.fail(failed, error, getattr(message, "route", None))
             return
         if request_id is not None and kind in self.opens:
             early = self.requests.take_early(request_id)

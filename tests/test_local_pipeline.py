@@ -1,0 +1,150 @@
+"""A whole pipeline in one process (LocalPipeline): the official `openai` client against it, the
+leaks that used to become hangs (every table empty once requests end), and a handler exception
+reaching the client as an error at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdflow import LocalPipeline, Pipeline, Stage
+from pdflow.messages import PrefillDone, Route, TextDelta
+from pdflow.testing.server import free_port_base
+
+pytestmark = pytest.mark.e2e
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Gate(Stage):
+    """Passes the text on; raises while ``armed`` (a handler that fails)."""
+
+    kind = "gate"
+    outputs = {"text": "ingress"}
+    stateless = True
+    armed = False
+
+    def handlers(self):
+        return {TextDelta: self.on_text}
+
+    async def on_text(self, delta: TextDelta) -> None:
+        if self.armed:
+            Gate.raised_at = time.monotonic()
+            raise RuntimeError("the gate is armed")
+        await self.send_output("text", Route(), delta)
+
+
+@pytest.fixture(scope="module")
+def running(model_dir):
+    pipeline = Pipeline.default().with_stage("gate", Gate, after="egress", output="text")
+    loop = asyncio.new_event_loop()
+    local = LocalPipeline(pipeline.with_ports(free_port_base()), model_dir=model_dir)
+    loop.run_until_complete(local.start())
+    sent: list = []
+    put = local.hub.put
+    local.hub.put = lambda stage, replica, message: (sent.append((stage, message)), put(stage, replica, message))[1]
+    local.sent, local.loop = sent, loop
+    yield local
+    loop.run_until_complete(local.stop())
+    loop.close()
+
+
+def _client(running) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _tables(running) -> dict[str, dict]:
+    """What every stage still holds, in its request table and beside it."""
+    out = {}
+    for (name, replica), stage in running.stages.items():
+        sizes = dict(stage.requests.sizes())
+        sizes.pop("ended")  # remembered for a while on purpose, bounded
+        if name == "decode":
+            sizes.update(regions=len(stage.by_region), waiting=len(stage.waiting), running=len(stage.running),
+                         batch=len(stage.batch))
+        if name == "kv_shuttle":
+            sizes.update(regions=len(stage.by_region), pool=stage.pool_used)
+        if name == "prefill":
+            sizes.update(queued=stage.queue.qsize())
+        if name == "ingress":
+            sizes.update(assigned=sum(stage.assigned.values()))
+        out[f"{name}-{replica}"] = sizes
+    return out
+
+
+def _settle(running, timeout_s: float = 20) -> dict[str, dict]:
+    async def wait():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            tables = _tables(running)
+            if all(v == 0 for sizes in tables.values() for v in sizes.values()):
+                return tables
+            await asyncio.sleep(0.1)
+        return _tables(running)
+
+    return running.loop.run_until_complete(wait())
+
+
+def test_openai_client_against_an_in_process_pipeline(running):
+    async def ask():
+        return await _client(running).chat.completions.create(
+            model="smollm2", messages=FRANCE, temperature=0, max_tokens=20)
+
+    reply = running.loop.run_until_complete(ask())
+    assert "Paris" in reply.choices[0].message.content
+    assert all(v == 0 for sizes in _settle(running).values() for v in sizes.values())
+
+
+def test_stop_string_on_the_first_token_leaves_every_table_empty(running):
+    async def ask():
+        reply = await _client(running).chat.completions.create(
+            model="smollm2", messages=FRANCE, temperature=0, max_tokens=20, stop=["The"])
+        return reply.choices[0]
+
+    for _ in range(3):
+        choice = running.loop.run_until_complete(ask())
+        assert (choice.message.content, choice.finish_reason) == ("", "stop")
+    tables = _settle(running)
+    assert all(v == 0 for sizes in tables.values() for v in sizes.values()), tables
+
+
+def test_cancel_during_prefill_sends_no_prefill_done_and_leaves_every_table_empty(running):
+    long_prompt = "Tell me about the history of every European capital city. " * 60
+
+    async def ask_and_leave():
+        async with httpx.AsyncClient(base_url=running.url, timeout=60) as http:
+            request = http.post("/v1/completions", json={"model": "smollm2", "prompt": long_prompt, "max_tokens": 8})
+            task = asyncio.ensure_future(request)
+            await asyncio.sleep(0.3)  # prefill of ~720 tokens takes seconds here
+            task.cancel()
+        await asyncio.sleep(0.5)
+        return [rid for rid, p in running.stage("prefill").requests.active.items()]
+
+    del running.sent[:]
+    running.loop.run_until_complete(ask_and_leave())
+    tables = _settle(running, timeout_s=60)
+    assert all(v == 0 for sizes in tables.values() for v in sizes.values()), tables
+    assert running.stage("prefill").requests.sizes()["ended"] >= 1
+    assert not [m for stage, m in running.sent if isinstance(m, PrefillDone)], "prefill sent PrefillDone"
+
+
+def test_a_handler_exception_reaches_the_client_at_once(running):
+    async def ask():
+        with pytest.raises(openai.APIStatusError) as error:
+            await _client(running).chat.completions.create(
+                model="smollm2", messages=FRANCE, temperature=0, max_tokens=40)
+        return time.monotonic() - Gate.raised_at, error.value
+
+    Gate.armed = True
+    try:
+        elapsed, error = running.loop.run_until_complete(ask())
+    finally:
+        Gate.armed = False
+    assert error.status_code == 503 and "the gate is armed" in str(error)
+    # from the moment the handler raised to the client holding the error: at once, not after the
+    # request timeout
+    assert elapsed < 1.0, elapsed
+    assert all(v == 0 for sizes in _settle(running).values() for v in sizes.values())
