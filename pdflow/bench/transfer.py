@@ -47,7 +47,6 @@ from pdflow.bench.transfer_cells import (
     MIB,
     Budget,
     Cell,
-    Receiver,
     Source,
     memcpy_cell,
     socket_cell,
@@ -55,6 +54,7 @@ from pdflow.bench.transfer_cells import (
     ucx_raw_cell,
     workloads,
 )
+from pdflow.bench.transfer_peer import Receiver
 
 DESCRIPTION = """\
 Stream KV chunks through each KV transport between two processes on this machine (a receiver

@@ -1,13 +1,12 @@
-"""How one cell of ``pdflow bench transfer`` is measured: the workloads, the sender's side of
-each path (memcpy, plain socket, a transport) and the receiver process it talks to.
+"""How one cell of ``pdflow bench transfer`` is measured: the workloads, a cell's figures and
+budget, and the sender's side of each path (memcpy, plain socket, ucx-raw, a transport); the
+receiver is :mod:`pdflow.bench.transfer_peer`.
 
 The definitions (GB/s, latency, rounds) are in :mod:`pdflow.bench.transfer`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing
 import socket
 import statistics
 import time
@@ -16,13 +15,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdflow import transports
-from pdflow.bench.transfer_peer import TIMEOUT_S, UCX_TAG, peer_main
-from pdflow.bench.transfer_report import size_label
+from pdflow.bench.transfer_peer import TIMEOUT_S, UCX_TAG, Receiver
 
 KIB, MIB = 1 << 10, 1 << 20
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
 DEFAULT_TOKENS = (512, 2048, 8192)
 DEFAULT_RAW = (64 * KIB, MIB, 16 * MIB)
+
+
+def size_label(nbytes: int) -> str:
+    """``65536`` -> ``"64 KiB"``, ``1572864`` -> ``"1.5 MiB"``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,50 +132,6 @@ class Budget:
             yield True
             if time.monotonic() - start >= self.seconds:
                 return
-
-
-class Receiver:
-    """The receiver process and the pipe to it."""
-
-    def __init__(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=peer_main, args=(child,), name="bench-receiver", daemon=True)
-        self.process.start()
-        child.close()
-
-    def reply(self) -> list[Any]:
-        if not self.conn.poll(TIMEOUT_S):
-            raise RuntimeError(f"the receiver did not answer within {TIMEOUT_S:.0f} s")
-        try:
-            kind, *rest = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the receiver died (exit code {self.process.exitcode})") from None
-        if kind == "error":
-            raise RuntimeError(f"the receiver failed:\n{rest[0]}")
-        return rest
-
-    def ask(self, *command: Any) -> list[Any]:
-        self.conn.send(command)
-        return self.reply()
-
-    def tell(self, *command: Any) -> None:
-        self.conn.send(command)
-
-    async def reply_async(self) -> list[Any]:
-        """reply() without stalling the event loop (a transport may need it to make progress)."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.reply)
-
-    async def ask_async(self, *command: Any) -> list[Any]:
-        self.tell(*command)
-        return await self.reply_async()
-
-    def close(self) -> None:
-        self.conn.close()
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
 
 
 @dataclass(slots=True)

@@ -1,9 +1,9 @@
 """The receiving half of ``pdflow bench transfer``: a child process that lands chunks and says when.
 
-The benchmark starts :func:`peer_main` with ``multiprocessing`` (spawn) and one end of a pipe,
-and sends it commands; every answer is a tuple whose first item is its kind (``"error"`` with a
-traceback when something failed). It exits when the pipe closes, so it never outlives the
-benchmark.
+The benchmark starts it as a :class:`Receiver` (:func:`peer_main`, with ``multiprocessing``
+spawn and one end of a pipe) and sends it commands; every answer is a tuple whose first item is
+its kind (``"error"`` with a traceback when something failed). It exits when the pipe closes,
+so it never outlives the benchmark.
 
 - ``("transport", name, options, region_bytes)``: create and start transport ``name`` (with
   ``options``, link shaping included), allocate region 0 in it, answer ``("ready", address)``;
@@ -25,6 +25,7 @@ benchmark.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import socket
 import time
 import traceback
@@ -33,6 +34,50 @@ from typing import Any
 
 TIMEOUT_S = 120.0  # the longest a round may take to land
 UCX_TAG = 7
+
+
+class Receiver:
+    """The receiver process and the pipe to it."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=peer_main, args=(child,), name="bench-receiver", daemon=True)
+        self.process.start()
+        child.close()
+
+    def reply(self) -> list[Any]:
+        if not self.conn.poll(TIMEOUT_S):
+            raise RuntimeError(f"the receiver did not answer within {TIMEOUT_S:.0f} s")
+        try:
+            kind, *rest = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the receiver died (exit code {self.process.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"the receiver failed:\n{rest[0]}")
+        return rest
+
+    def ask(self, *command: Any) -> list[Any]:
+        self.conn.send(command)
+        return self.reply()
+
+    def tell(self, *command: Any) -> None:
+        self.conn.send(command)
+
+    async def reply_async(self) -> list[Any]:
+        """reply() without stalling the event loop (a transport may need it to make progress)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.reply)
+
+    async def ask_async(self, *command: Any) -> list[Any]:
+        self.tell(*command)
+        return await self.reply_async()
+
+    def close(self) -> None:
+        self.conn.close()
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
 
 def peer_main(conn: Connection) -> None:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pdflow.bench.transfer import Budget, Cell
+from pdflow.bench.transfer_cells import KIB, MIB, Budget, Cell, size_label
 
-KIB, MIB = 1 << 10, 1 << 20
 REFERENCE_SIZES = (64 * KIB, MIB, 16 * MIB)
 # (low, high) GB/s at REFERENCE_SIZES, measured beforehand on this machine (not by this run).
 REFERENCE = {
@@ -36,15 +34,6 @@ def fmt_time(seconds: float) -> str:
     if seconds < 1:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds:.3g} s"
-
-
-def size_label(nbytes: int) -> str:
-    """``65536`` -> ``"64 KiB"``, ``1572864`` -> ``"1.5 MiB"``."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", KIB)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def progress_line(cell: Cell) -> str:

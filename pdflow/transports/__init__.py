@@ -7,7 +7,8 @@ asked for; third-party ones arrive through the ``pdflow.transports`` entry-point
     mytransport = "mypkg.transport:MyTransport"
 
 ``availability(name)`` says whether a transport can be used here (None) or why not, with the
-hint; ``create(name, ...)`` builds one. The interface is :class:`Transport` (``base.py``).
+hint; ``create(name, ...)`` builds one. The interface is :class:`Transport` (``base.py``), its
+errors are in ``errors.py``.
 """
 
 from __future__ import annotations
@@ -17,19 +18,19 @@ import importlib.metadata
 from functools import cache
 from typing import Any
 
-from pdflow.transports.base import (
+from pdflow.transports.base import Transport
+from pdflow.transports.errors import (
     ChecksumMismatch,
     ChunkNotice,
     IncompatiblePeer,
     OutOfBounds,
     PeerDisconnected,
     PeerUnreachable,
-    Transport,
     TransportClosed,
     TransportError,
     UnknownRegion,
-    byte_view,
 )
+from pdflow.transports.regions import byte_view
 
 __all__ = [
     "BUILTIN",

@@ -9,100 +9,31 @@ a :class:`ChunkNotice` from :meth:`Transport.next_notice`. Every failure is a
 
 A transport object belongs to the event loop that first uses it. Built-in implementations live
 next to this module; :mod:`pdflow.transports` finds them by name.
+
+Implementing one. :meth:`Transport.write` is written once, here: a link per peer, used under a
+lock so that writes go out in call order, reconnected by the next write after a failure, errors
+mapped to those of :mod:`~pdflow.transports.errors`, the transport's closing honoured. A transport that connects to its
+peers supplies only the steps: ``_connect`` (a :class:`~pdflow.transports.links.Link`, which it
+can close) and ``_send`` (one chunk on it); see "the steps of write()" below. Receivers take a
+chunk's span from ``self._regions.landing`` and report it with ``_arrived``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import msgspec
 import structlog
 
-from pdflow.kv.checksum import checksum
 from pdflow.messages import KvChunkHeader
+from pdflow.transports.errors import ChunkNotice, PeerDisconnected, TransportClosed, TransportError
+from pdflow.transports.links import Link, Route
+from pdflow.transports.regions import Regions, byte_view
 
 log = structlog.get_logger()
-
-
-class TransportError(Exception):
-    """Base of every error a transport raises or reports in a notice."""
-
-
-class TransportClosed(TransportError):
-    """The transport was closed with :meth:`Transport.aclose` (before or during the call)."""
-
-
-class PeerUnreachable(TransportError):
-    """Cannot connect to the address (nothing listens there, timeout, handshake refused)."""
-
-
-class PeerDisconnected(TransportError):
-    """The connection was lost mid-transfer (the other side died or closed)."""
-
-
-class IncompatiblePeer(PeerUnreachable):
-    """The peer speaks another wire protocol version: run the same pdflow on both sides."""
-
-
-class ChecksumMismatch(TransportError):
-    """The landed bytes do not hash to ``header.checksum``."""
-
-
-class UnknownRegion(TransportError):
-    """A chunk for a region that is not registered (or was unregistered while it landed)."""
-
-
-class OutOfBounds(TransportError):
-    """``offset + nbytes`` lies beyond the region (or the offset is negative)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkNotice:
-    """One chunk that reached this receiver.
-
-    ``error`` is None when the bytes are in the region and their checksum is verified; otherwise
-    it says why they are not (the region's bytes in the chunk's span are then unspecified).
-    ``received_at`` is the ``time.monotonic()`` of the moment it landed.
-    """
-
-    header: KvChunkHeader
-    error: TransportError | None = None
-    received_at: float = 0.0
-
-
-def byte_view(data: Any, *, writable: bool = False) -> memoryview:
-    """A flat ``uint8`` memoryview of ``data``'s own memory (never a copy).
-
-    Accepts anything with the buffer protocol (bytes, bytearray, memoryview, numpy arrays) and
-    CPU torch tensors of any dtype. Raises ValueError for non-contiguous data, tensors on another
-    device, or read-only data when ``writable``. The view keeps ``data`` alive.
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(data, torch.Tensor):
-        if data.device.type != "cpu":
-            raise ValueError(f"tensor on {data.device}: copy it to host memory first")
-        if not data.is_contiguous():
-            raise ValueError("tensor is not contiguous: call .contiguous() first (that copies)")
-        data = data.detach().reshape(-1).view(torch.uint8).numpy()
-    try:
-        view = memoryview(data)
-    except TypeError:
-        raise ValueError(f"{type(data).__name__} does not expose a buffer") from None
-    if not view.c_contiguous:
-        raise ValueError("buffer is not C-contiguous")
-    if writable and view.readonly:
-        raise ValueError("buffer is read-only; a region must be writable")
-    if view.format != "B" or view.ndim != 1:
-        try:
-            view = view.cast("B")
-        except TypeError as exc:
-            raise ValueError(f"cannot view buffer as bytes: {exc}") from None
-    return view
-
 
 _CLOSED = object()
 
@@ -128,10 +59,13 @@ class Transport(ABC):
         self.host = host
         self.port = port
         self.options = options
-        self._regions: dict[int, memoryview] = {}
+        self._regions = Regions()
         self._notices: asyncio.Queue[Any] = asyncio.Queue()
         self._closed = False
         self._address: str | None = None  # set by start()
+        self._routes: dict[str, Route] = {}  # sender: by peer
+        self._encoder = msgspec.msgpack.Encoder()  # chunk headers travel as msgpack
+        self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
 
     def _settings(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """``self.options`` over ``defaults``; TypeError naming any option not in ``defaults``."""
@@ -161,10 +95,7 @@ class Transport(ABC):
         Raises ValueError if the id is taken or the buffer is unsuitable. Register before telling
         a sender about the region: a chunk that arrives first gets an UnknownRegion notice.
         """
-        view = byte_view(buffer, writable=True)
-        if region in self._regions:
-            raise ValueError(f"region {region} is already registered")
-        self._regions[region] = view
+        self._regions.add(region, buffer)
 
     def allocate(self, region: int, nbytes: int) -> memoryview:
         """Allocate ``nbytes`` of memory this transport can receive into, register it as
@@ -193,7 +124,6 @@ class Transport(ABC):
         """
         self._regions.pop(region, None)
 
-    @abstractmethod
     async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
         """Write ``data`` into region ``header.region`` at ``header.offset`` of the peer at ``address``.
 
@@ -209,6 +139,28 @@ class Transport(ABC):
         TransportClosed. Cancelling a write mid-payload drops the connection (the receiver gets
         a PeerDisconnected notice for that chunk).
         """
+        payload = self._payload(header, data)
+        route = self._routes.get(address) or self._route(address)
+        attempts, link = route.attempts, None
+        try:
+            async with route.lock:
+                self._check_open()
+                link = route.link
+                if link is None or not link.usable():
+                    link = await route.reconnect(attempts, self._connect)
+                    self._check_open()  # closed while connecting
+                pending = await self._send(link, address, header, payload)
+                self._check_open()  # closed meanwhile: it may not all have gone out
+            if pending is not None:
+                await self._finish(link, pending)
+        except ValueError:
+            raise  # from _send, before anything went out: the link stays
+        except BaseException as exc:
+            if link is not None:  # failed or cancelled mid-chunk: the link's stream is unusable
+                link.close()
+            if (error := self._write_error(exc, address)) is exc:
+                raise
+            raise error from exc
 
     async def next_notice(self) -> ChunkNotice:
         """The next chunk that landed here (or failed to). Raises TransportClosed after aclose(),
@@ -233,11 +185,65 @@ class Transport(ABC):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    # --- the steps of write(), for transports that connect to their peers ---------------------
+
+    _lost_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)  # a send failing so: link lost
+
+    def _peer(self, address: str) -> str:
+        """The peer ``address`` names (write() keeps one link per peer); ValueError if it is not
+        an address of this transport. Called on the first write to an address, and on every
+        write whose address is not itself a peer (verbs adds the region to it)."""
+        return address
+
+    async def _connect(self, peer: str) -> Link:
+        """Connect to ``peer`` and handshake, within the transport's timeout; the new link.
+
+        Raises PeerUnreachable (IncompatiblePeer when the peer refused), having closed whatever
+        it opened; the writes queued behind this one then fail with the same error.
+        """
+        raise NotImplementedError(f"{type(self).__name__} implements neither _connect/_send nor write()")
+
+    async def _send(self, link: Any, address: str, header: KvChunkHeader, payload: memoryview) -> Any:
+        """Send one chunk on ``link`` (a link from :meth:`_connect`), from ``payload``'s own memory.
+
+        Runs under the route's lock: one chunk at a time per peer, in call order. Returns None
+        when ``payload`` may be reused, else what :meth:`_finish` waits for after the lock is
+        released (the next chunk may go out meanwhile). Raise ValueError only before anything
+        went out (the link is kept); any other failure closes the link, and a lost connection
+        (an error in :attr:`_lost_errors`, or PeerDisconnected) fails the write.
+        """
+        raise NotImplementedError(f"{type(self).__name__} implements neither _connect/_send nor write()")
+
+    async def _finish(self, link: Any, pending: Any) -> None:
+        """Wait until what :meth:`_send` left ``pending`` is done with the payload."""
+
+    def _route(self, address: str) -> Route:
+        peer = self._peer(address)  # ValueError before anything is kept for it
+        route = self._routes.get(peer)
+        if route is None:
+            route = self._routes[peer] = Route(peer)
+        return route
+
+    def _close_links(self, busy: bool = False) -> None:
+        """For aclose(): close every link; one a write holds is only interrupted (that write
+        closes it) unless ``busy`` (once those writes had their turn)."""
+        for route in self._routes.values():
+            route.close(busy)
+
     # --- helpers for implementations -----------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise TransportClosed(f"{self.name} transport is closed")
+
+    def _payload(self, header: KvChunkHeader, data: Any) -> memoryview:
+        """``data``'s bytes for a write of ``header`` (TransportClosed once closed; ValueError if
+        unsuitable or not ``header.nbytes`` long)."""
+        self._check_open()
+        payload = byte_view(data)
+        if payload.nbytes != header.nbytes:
+            raise ValueError(f"data has {payload.nbytes} bytes, header.nbytes is {header.nbytes}")
+        return payload
 
     def _mark_closed(self) -> None:
         """Set the closed flag and wake every next_notice() waiter."""
@@ -247,39 +253,22 @@ class Transport(ABC):
 
     def _write_error(self, exc: BaseException, address: str) -> BaseException:
         """What a write that failed with ``exc`` raises: TransportClosed when the transport was
-        closed meanwhile, PeerDisconnected for a socket error (logged), else ``exc`` itself."""
-        if self._closed and isinstance(exc, (OSError, TransportError)):
+        closed meanwhile, PeerDisconnected for a lost connection (logged), else ``exc`` itself."""
+        lost = isinstance(exc, self._lost_errors)
+        if self._closed and (lost or isinstance(exc, TransportError)):
             return TransportClosed(f"{self.name} transport closed while writing to {address}")
-        if isinstance(exc, OSError):
+        if lost or isinstance(exc, PeerDisconnected):
             log.warning("kv.conn.lost", transport=self.name, peer=address, error=str(exc))
-            return PeerDisconnected(f"lost connection to {address}: {exc}")
-        return exc
+        return PeerDisconnected(f"lost connection to {address}: {exc}") if lost else exc
 
     def _post(self, notice: ChunkNotice) -> None:
         if not self._closed:
             self._notices.put_nowait(notice)
 
-    def _landing(self, header: KvChunkHeader) -> memoryview | TransportError:
-        """The span of the region where ``header``'s payload goes, or why there is none."""
-        region = self._regions.get(header.region)
-        if region is None:
-            return UnknownRegion(f"region {header.region} is not registered")
-        if header.offset < 0 or header.offset + header.nbytes > region.nbytes:
-            return OutOfBounds(
-                f"chunk [{header.offset}, {header.offset + header.nbytes}) is beyond region "
-                f"{header.region} of {region.nbytes} bytes"
-            )
-        return region[header.offset : header.offset + header.nbytes]
-
-    def _landed(self, header: KvChunkHeader, span: memoryview, digest: int | None = None) -> ChunkNotice:
-        """The notice for a payload now in ``span``: checks the region is still there and the
-        checksum (``digest``: the payload's, hashed as it landed; else ``span`` is hashed now)."""
-        now = time.monotonic()
-        region = self._regions.get(header.region)
-        if region is None or span.obj is not region.obj:
-            error: TransportError = UnknownRegion(f"region {header.region} was unregistered while landing")
-            return ChunkNotice(header, error, now)
-        if (checksum(span) if digest is None else digest) != header.checksum:
-            where = f"region {header.region} at {header.offset}, {header.nbytes} bytes"
-            return ChunkNotice(header, ChecksumMismatch(f"checksum mismatch: {where}"), now)
-        return ChunkNotice(header, None, now)
+    def _arrived(self, header: KvChunkHeader, span: memoryview | TransportError, digest: int | None = None) -> None:
+        """Post the notice for a chunk whose payload is in ``span`` (see :meth:`Regions.landed`),
+        or that did not land (``span`` is why: from :meth:`Regions.landing`, or a lost sender)."""
+        if isinstance(span, TransportError):
+            self._post(ChunkNotice(header, span, time.monotonic()))
+        else:
+            self._post(self._regions.landed(header, span, digest))

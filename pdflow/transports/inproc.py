@@ -17,14 +17,8 @@ from typing import Any
 import structlog
 
 from pdflow.messages import KvChunkHeader
-from pdflow.transports.base import (
-    ChunkNotice,
-    PeerDisconnected,
-    PeerUnreachable,
-    Transport,
-    TransportError,
-    byte_view,
-)
+from pdflow.transports.base import Transport
+from pdflow.transports.errors import ChunkNotice, PeerDisconnected, PeerUnreachable, TransportError
 
 log = structlog.get_logger()
 
@@ -66,10 +60,8 @@ class InProcTransport(Transport):
         return f"inproc://{self.host}:{port}"
 
     async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
-        self._check_open()
-        payload = byte_view(data)
-        if payload.nbytes != header.nbytes:
-            raise ValueError(f"data has {payload.nbytes} bytes, header.nbytes is {header.nbytes}")
+        """As :meth:`Transport.write`, with no link: the receiver is in this process."""
+        payload = self._payload(header, data)
         await asyncio.sleep(0)  # a checkpoint, as in every transport: writes interleave, close can cut in
         self._check_open()
         with _LOCK:
@@ -82,12 +74,12 @@ class InProcTransport(Transport):
         """Runs in the sender's thread: land the payload, then post the notice on our loop."""
         if self._closed or self._loop is None:
             raise PeerDisconnected(f"inproc receiver at {self._address} closed")
-        span = self._landing(header)
+        span = self._regions.landing(header)
         if isinstance(span, TransportError):
             notice = ChunkNotice(header, span, time.monotonic())
         else:
             span[:] = payload  # the one copy
-            notice = self._landed(header, span)
+            notice = self._regions.landed(header, span)
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:

@@ -42,7 +42,8 @@ import time
 from typing import Any
 
 from pdflow.messages import KvChunkHeader
-from pdflow.transports.base import ChunkNotice, Transport, TransportClosed
+from pdflow.transports.base import Transport
+from pdflow.transports.errors import ChunkNotice, TransportClosed
 
 __all__ = [
     "OPTIONS",

@@ -32,7 +32,6 @@ import contextlib
 import os
 import socket
 import struct
-import time
 from typing import Any
 
 import msgspec
@@ -40,17 +39,11 @@ import structlog
 
 from pdflow.messages import KvChunkHeader
 from pdflow.transports import shm_wire as wire
-from pdflow.transports.base import (
-    ChunkNotice,
-    PeerDisconnected,
-    Transport,
-    TransportError,
-    UnknownRegion,
-    byte_view,
-)
-from pdflow.transports.shm_link import Link
+from pdflow.transports.base import Transport
+from pdflow.transports.errors import PeerDisconnected, TransportError, UnknownRegion
+from pdflow.transports.shm_link import ShmLink
 from pdflow.transports.shm_memory import STREAM, Segment, copy
-from pdflow.transports.sockets import Acceptor, listen_abstract_unix, send_gathered
+from pdflow.transports.sockets import Acceptor, dial, listen_abstract_unix, send_gathered
 
 log = structlog.get_logger()
 
@@ -69,9 +62,6 @@ class ShmTransport(Transport):
         self.timeout_s = float(settings["timeout_s"])
         self.max_mappings = int(settings["max_mappings"])
         self.thread_copy_bytes = int(settings["thread_copy_bytes"])
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
-        self._links: dict[str, Link] = {}
         self._segments: dict[int, Segment] = {}
         self._last_segment = 0
         self._senders: dict[socket.socket, set[int]] = {}  # connection -> regions it asked about
@@ -108,57 +98,38 @@ class ShmTransport(Transport):
                     with contextlib.suppress(OSError):
                         conn.shutdown(socket.SHUT_RDWR)
 
-    # --- sending ---------------------------------------------------------------------------
+    # --- sending (the steps of Transport.write) ------------------------------------------------
 
-    async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
-        self._check_open()
-        payload = byte_view(data)
-        if payload.nbytes != header.nbytes:
-            raise ValueError(f"data has {payload.nbytes} bytes, header.nbytes is {header.nbytes}")
-        link = self._links.get(address)
-        if link is None:
-            wire.socket_name(address)  # ValueError before anything is kept for it
-            link = self._links.setdefault(address, Link(address, self.max_mappings, self.timeout_s))
-        attempts = link.attempts
-        async with link.lock:
-            try:
-                self._check_open()
-                if not link.usable():
-                    link.close()
-                    if link.failure is not None and link.attempts > attempts:
-                        # it failed while we queued: fail too rather than wait out a timeout each
-                        raise type(link.failure)(*link.failure.args)
-                    await link.connect()
-                await self._send_chunk(link, header, payload)
-                self._check_open()  # closed mid-copy: its END may not go out, so it did not land
-            except BaseException as exc:
-                link.close()
-                if (error := self._write_error(exc, address)) is exc:
-                    raise
-                raise error from exc
-            finally:
-                if self._closed:
-                    link.close()
+    def _peer(self, address: str) -> str:
+        wire.socket_name(address)
+        return address
 
-    async def _send_chunk(self, link: Link, header: KvChunkHeader, payload: memoryview) -> None:
-        target = await link.target(header.region)
-        sock, encoded = link.sock, self._encoder.encode(header)
-        assert sock is not None
+    async def _connect(self, peer: str) -> ShmLink:
+        sock, _ = await dial(peer, wire.GREETING, self.timeout_s, unix=wire.socket_name(peer))
+        return ShmLink(sock, peer, self.max_mappings, self.timeout_s)
 
-        def op(kind: int, segment: int = 0) -> bytes:
-            return wire.OP.pack(kind, len(encoded), header.region, segment)
+    async def _send(self, link: ShmLink, address: str, header: KvChunkHeader, payload: memoryview) -> None:
+        link.sending = True
+        try:
+            target = await link.target(header.region)
+            sock, encoded = link.sock, self._encoder.encode(header)
+            assert sock is not None
 
-        if target is STREAM:
-            await send_gathered(sock, link.frame(op(wire.CHUNK) + encoded), payload)
-            return
-        end = header.offset + header.nbytes
-        if target is None or header.offset < 0 or end > target[1].nbytes:
-            await send_gathered(sock, link.frame(op(wire.SKIP) + encoded))
-            return
-        segment, view = target
-        await send_gathered(sock, link.frame(op(wire.BEGIN, segment) + encoded))
-        await copy(view[header.offset : end], payload, self.thread_copy_bytes)  # the one copy
-        link.ended()
+            def op(kind: int, segment: int = 0) -> bytes:
+                return wire.OP.pack(kind, len(encoded), header.region, segment)
+
+            end = header.offset + header.nbytes
+            if target is STREAM:
+                await send_gathered(sock, link.frame(op(wire.CHUNK) + encoded), payload)
+            elif target is None or header.offset < 0 or end > target[1].nbytes:
+                await send_gathered(sock, link.frame(op(wire.SKIP) + encoded))
+            else:
+                segment, view = target
+                await send_gathered(sock, link.frame(op(wire.BEGIN, segment) + encoded))
+                await copy(view[header.offset : end], payload, self.thread_copy_bytes)  # the one copy
+                link.ended()
+        finally:
+            link.sending = False
 
     # --- receiving -------------------------------------------------------------------------
 
@@ -197,12 +168,8 @@ class ShmTransport(Transport):
                 if kind == wire.MAP:
                     self._answer(conn, region)
                 elif kind == wire.END and current is not None and begun is not None:
-                    if isinstance(begun, memoryview):
-                        notice = self._landed(current, begun)
-                    else:
-                        notice = ChunkNotice(current, begun, time.monotonic())
+                    self._arrived(current, begun)
                     current = begun = None
-                    self._post(notice)
                 elif kind in (wire.CHUNK, wire.BEGIN, wire.SKIP) and current is None:
                     if length > wire.MAX_HEADER:
                         raise PeerDisconnected(f"a header of {length} bytes")
@@ -221,15 +188,14 @@ class ShmTransport(Transport):
                     if kind == wire.CHUNK:
                         await self._receive_payload(inbox, current)
                     else:
-                        self._post(ChunkNotice(current, self._skipped(current), time.monotonic()))
+                        self._arrived(current, self._skipped(current))
                     current = None
                 else:
                     raise PeerDisconnected(f"the sender broke the protocol (message {kind})")
         except (OSError, PeerDisconnected) as exc:
             log.warning("kv.shm.conn.lost", peer=peer, error=str(exc), mid_chunk=current is not None)
             if current is not None:
-                error = PeerDisconnected(f"{peer} disconnected mid-chunk: {exc}")
-                self._post(ChunkNotice(current, error, time.monotonic()))
+                self._arrived(current, PeerDisconnected(f"{peer} disconnected mid-chunk: {exc}"))
         finally:
             self._senders.pop(conn, None)
             conn.close()
@@ -247,28 +213,27 @@ class ShmTransport(Transport):
             self._senders[conn].add(region)
 
     def _mapped_span(self, header: KvChunkHeader, segment: int) -> memoryview | TransportError:
-        span = self._landing(header)
+        span = self._regions.landing(header)
         found = self._segments.get(header.region)
         if isinstance(span, memoryview) and (found is None or found.id != segment):
             return UnknownRegion(f"region {header.region} was unregistered while landing")
         return span
 
     def _skipped(self, header: KvChunkHeader) -> TransportError:
-        span = self._landing(header)
+        span = self._regions.landing(header)
         if isinstance(span, TransportError):
             return span
         return UnknownRegion(f"region {header.region} was not registered when the chunk was sent")
 
     async def _receive_payload(self, inbox: wire.Inbox, header: KvChunkHeader) -> None:
-        span = self._landing(header)
+        span = self._regions.landing(header)
         if isinstance(span, TransportError):  # read it into scratch space, keep the connection
             scratch = memoryview(bytearray(min(_SCRATCH, header.nbytes)))
             for start in range(0, header.nbytes, _SCRATCH):
                 await inbox.into(scratch[: min(_SCRATCH, header.nbytes - start)])
-            self._post(ChunkNotice(header, span, time.monotonic()))
         else:
             await inbox.into(span)
-            self._post(self._landed(header, span))
+        self._arrived(header, span)
 
     # --- closing ---------------------------------------------------------------------------
 
@@ -276,12 +241,9 @@ class ShmTransport(Transport):
         if self._closed:
             return
         self._mark_closed()
-        readers = [link.reader for link in self._links.values() if link.reader is not None]
-        for link in self._links.values():
-            if link.lock.locked():
-                link.shutdown()
-            else:
-                link.close()  # after the last write's END, if the loop has not sent it yet
+        links = [route.link for route in self._routes.values() if isinstance(route.link, ShmLink)]
+        readers = [link.reader for link in links if link.reader is not None]
+        self._close_links()  # an idle link sends its last END first, if the loop has not yet
         if self._acceptor is not None:
             await self._acceptor.aclose(*readers)
         else:

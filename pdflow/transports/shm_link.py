@@ -1,9 +1,10 @@
-"""A shm sender's connection to one receiver: handshake, the memory it mapped, the doorbell.
+"""A shm sender's connection to one receiver: the memory it mapped, the doorbell.
 
-The sender owns the socket's outgoing side under :attr:`Link.lock`. What the receiver sends
-(answers to MAP with their descriptors, GONE, the end of the connection) is read by a task as it
-comes, so a dead receiver's memory is unmapped at once, and by each write before it looks at the
-mappings, so a region the receiver has just unregistered is never written to. Wire format:
+The sender owns the socket's outgoing side while a write sends (:attr:`ShmLink.sending`, under the
+route's lock: see :mod:`~pdflow.transports.links`). What the receiver sends (answers to MAP
+with their descriptors, GONE, the end of the connection) is read by a task as it comes, so a
+dead receiver's memory is unmapped at once, and by each write before it looks at the mappings,
+so a region the receiver has just unregistered is never written to. Wire format:
 :mod:`~pdflow.transports.shm_wire`.
 """
 
@@ -18,19 +19,10 @@ from typing import Any
 
 import structlog
 
-from pdflow.transports.base import PeerDisconnected, PeerUnreachable
+from pdflow.transports.errors import PeerDisconnected
+from pdflow.transports.links import Link
 from pdflow.transports.shm_memory import STREAM, Mappings, map_segment
-from pdflow.transports.shm_wire import (
-    END_FRAME,
-    GONE,
-    GREETING,
-    MAP,
-    MAPPED,
-    NONE,
-    OP,
-    PRIVATE,
-    socket_name,
-)
+from pdflow.transports.shm_wire import END_FRAME, GONE, MAP, MAPPED, NONE, OP, PRIVATE
 from pdflow.transports.sockets import send_gathered
 
 log = structlog.get_logger()
@@ -49,51 +41,30 @@ async def _readable(sock: socket.socket) -> None:
             loop.remove_reader(fd)
 
 
-class Link:
-    """A sender's one connection to one receiver, and what it mapped of it. Frames go out under
-    ``lock``; what the receiver sends is handled by a reader task (so GONE, or a lost connection,
-    takes effect at once) and by each write before it looks at ``mappings``."""
+class ShmLink(Link):
+    """A sender's one connection to one receiver (``sock``, handshaken), and what it mapped of
+    it. Frames go out one write at a time, which sets :attr:`sending` meanwhile; what the
+    receiver sends is handled by a reader task (so GONE, or a lost connection, takes effect at
+    once) and by each write before it looks at ``mappings``."""
 
-    def __init__(self, address: str, max_mappings: int, timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, address: str, max_mappings: int, timeout_s: float) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self.lock = asyncio.Lock()
-        self.sock: socket.socket | None = None
-        self.reader: asyncio.Task[None] | None = None
+        self.sock: socket.socket | None = sock
+        self.sending = False  # a write owns the socket's outgoing side
         self.broken = False
-        self.attempts = 0  # connects tried so far
-        self.failure: PeerUnreachable | None = None  # why the last one failed
         self.mappings = Mappings(max_mappings)
         self.reply: asyncio.Future[tuple[int, int, int, int | None]] | None = None  # to a MAP
         self.end_pending = False  # a copy is done, its END not yet sent
         self._flush_due = False  # flush_end() is scheduled
         self._inbox = bytearray()
         self._fds: deque[int] = deque()
-
-    async def connect(self) -> None:
-        """Connect and handshake within ``timeout_s`` (PeerUnreachable, IncompatiblePeer), then
-        start reading what the receiver sends."""
-        loop = asyncio.get_running_loop()
-        self.attempts += 1
-        self.failure, self.broken = None, False
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                self.sock = sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.setblocking(False)
-                await loop.sock_connect(sock, socket_name(self.address))
-                await loop.sock_sendall(sock, GREETING.ours)
-                refused = await GREETING.check(sock)
-        except (OSError, TimeoutError) as exc:
-            reason = str(exc) or f"no answer within {self.timeout_s} s"
-            raise self.fail(PeerUnreachable(f"cannot connect to {self.address}: {reason}")) from exc
-        if refused is not None:
-            raise self.fail(type(refused)(f"{self.address} {refused}"))
-        self.reader = loop.create_task(self._read(sock))
-        log.debug("kv.shm.conn.open", peer=self.address)
+        self.reader: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(self._read(sock))
+        log.debug("kv.shm.conn.open", peer=address)
 
     async def target(self, region: int) -> Any:
         """Where chunks for ``region`` go: (segment id, mapped view), STREAM (the receiver keeps
         it in private memory), or None (it has no such region; not remembered). Asks the
-        receiver once (call under ``lock``)."""
+        receiver once (call while :attr:`sending`)."""
         target = self.mappings.get(region)
         if target is not None:
             return target
@@ -127,14 +98,14 @@ class Link:
         return target
 
     def frame(self, message: bytes) -> bytes:
-        """``message``, after the deferred END if there is one (call under ``lock``, then send it)."""
+        """``message``, after the deferred END if there is one (call while :attr:`sending`, then send it)."""
         if not self.end_pending:
             return message
         self.end_pending = False
         return END_FRAME + message
 
     def ended(self) -> None:
-        """The copy is done (call under ``lock``): its END goes with the next frame or soon after."""
+        """The copy is done (call while :attr:`sending`): its END goes with the next frame or soon after."""
         self.end_pending = True
         if not self._flush_due:  # once per burst of writes, not once per write
             self._flush_due = True
@@ -143,7 +114,7 @@ class Link:
     def flush_end(self) -> None:
         """Send a deferred END now, unless a write holds the socket (it sends it first)."""
         self._flush_due = False
-        if not self.end_pending or self.lock.locked() or self.sock is None or self.broken:
+        if not self.end_pending or self.sending or self.sock is None or self.broken:
             return
         try:
             sent = self.sock.send(END_FRAME)  # this small a send goes whole or not at all
@@ -217,19 +188,13 @@ class Link:
         self.mappings.clear()
         if self.reply is not None and not self.reply.done():
             self.reply.set_exception(error)
-        if self.lock.locked():
-            self.shutdown()
+        if self.sending:
+            self.interrupt()
         else:
             self.close()
 
-    def fail(self, error: PeerUnreachable) -> PeerUnreachable:
-        """Close, and remember why connecting failed (for the writes queued meanwhile)."""
-        self.close()
-        self.failure = error
-        return error
-
-    def shutdown(self) -> None:
-        """Wake whatever waits on the socket (it fails with EPIPE); the lock holder closes it."""
+    def interrupt(self) -> None:
+        """Wake whatever waits on the socket (it fails with EPIPE); the write then closes it."""
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)

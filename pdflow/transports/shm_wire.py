@@ -24,7 +24,7 @@ import secrets
 import socket
 import struct
 
-from pdflow.transports.base import PeerDisconnected
+from pdflow.transports.errors import PeerDisconnected
 from pdflow.transports.sockets import Greeting
 
 MAGIC = b"PDSM"

@@ -1,5 +1,6 @@
-"""The socket plumbing the tcp, shm and ucx transports share: addresses, exact reads, and the
-receiver's listening socket with a task per accepted connection."""
+"""The socket plumbing the tcp, shm, ucx and verbs transports share: addresses, exact reads, the
+handshake on both ends (:class:`Greeting`, :func:`dial`), a sender's link that is one socket, and
+the receiver's listening socket with a task per accepted connection."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import structlog
 
 from pdflow.messages import PROTOCOL_VERSION
-from pdflow.transports.base import IncompatiblePeer, PeerUnreachable
+from pdflow.transports.errors import IncompatiblePeer, PeerUnreachable
+from pdflow.transports.links import Link
+
+T = TypeVar("T")
 
 log = structlog.get_logger("pdflow.transports")
 
@@ -123,6 +127,83 @@ class Greeting:
         elif refused is None:
             await asyncio.get_running_loop().sock_sendall(sock, self.ours)
         return refused is None
+
+
+async def dial(
+    address: str,
+    greeting: Greeting,
+    timeout_s: float,
+    *,
+    unix: str | None = None,
+    setup: Callable[[socket.socket], None] | None = None,
+    welcome: Callable[[socket.socket], Awaitable[T]] | None = None,
+) -> tuple[socket.socket, T | None]:
+    """A sender's connection: connect to ``address``, exchange ``greeting``s, then let
+    ``welcome(sock)`` read whatever else the peer says first, all within ``timeout_s``.
+
+    ``address`` is ``<greeting.kind>://host:port`` (TCP), or with ``unix`` the Unix socket of
+    that name. ``setup`` tunes the non-blocking socket before it connects. Returns the socket
+    and what ``welcome`` returned. Raises PeerUnreachable (nothing there, no answer in time,
+    closed; ``welcome`` may raise ConnectionError for that) or IncompatiblePeer, having closed
+    the socket, as it does on any other failure or cancellation.
+    """
+    loop, sock, extra = asyncio.get_running_loop(), None, None
+    try:
+        async with asyncio.timeout(timeout_s):
+            if unix is None:
+                family, target = await resolve(*split_address(address, greeting.kind))
+            else:
+                family, target = socket.AF_UNIX, unix
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            if setup is not None:
+                setup(sock)
+            await loop.sock_connect(sock, target)
+            await loop.sock_sendall(sock, greeting.ours)
+            refused = await greeting.check(sock)
+            if refused is None and welcome is not None:
+                extra = await welcome(sock)
+    except BaseException as exc:
+        if sock is not None:
+            sock.close()
+        if not isinstance(exc, (OSError, TimeoutError)):
+            raise
+        reason = str(exc) or f"no answer within {timeout_s} s"
+        raise PeerUnreachable(f"cannot connect to {address}: {reason}") from exc
+    if refused is not None:
+        sock.close()
+        raise type(refused)(f"{address} {refused}")
+    return sock, extra
+
+
+class SocketLink(Link):
+    """A sender's link that is one connected socket, on which the receiver never sends: anything
+    readable means it closed (or is not a pdflow receiver)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock: socket.socket | None = sock
+
+    def usable(self) -> bool:
+        if self.sock is None:
+            return False
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; any byte: not a pdflow receiver
+            return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def interrupt(self) -> None:
+        """Wake whatever waits on the socket (it fails with EPIPE); the write then closes it."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
 
 
 def listen_inet(host: str, port: int, receive_buffer: int = 0) -> socket.socket:

@@ -22,10 +22,8 @@ or beat a fixed 4 MiB on loopback; a fixed size is capped by ``net.core.[rw]mem_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import struct
-import time
 from typing import Any
 
 import msgspec
@@ -33,21 +31,16 @@ import structlog
 import xxhash
 
 from pdflow.messages import KvChunkHeader
-from pdflow.transports.base import (
-    ChunkNotice,
-    PeerDisconnected,
-    PeerUnreachable,
-    Transport,
-    TransportError,
-    byte_view,
-)
+from pdflow.transports.base import Transport
+from pdflow.transports.errors import PeerDisconnected, TransportError
 from pdflow.transports.sockets import (
     Acceptor,
     Greeting,
+    SocketLink,
     address_of,
+    dial,
     listen_inet,
     recv_exact,
-    resolve,
     send_gathered,
     split_address,
 )
@@ -63,45 +56,6 @@ _SCRATCH = 1 << 16
 _OPTIONS = {"timeout_s": 30.0, "buffer_bytes": 0}
 
 
-class _Link:
-    """The one connection to one peer address; frames go out whole, under ``lock``."""
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.sock: socket.socket | None = None
-        self.attempts = 0  # connects tried so far
-        self.failure: PeerUnreachable | None = None  # why the last one failed
-
-    def usable(self) -> bool:
-        """False when the peer has closed or reset (a non-blocking peek: it never sends)."""
-        if self.sock is None:
-            return False
-        try:
-            self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; any byte: not a pdflow receiver
-            return False
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-
-    def fail(self, error: PeerUnreachable) -> PeerUnreachable:
-        """Close, and remember why connecting failed (for the writes queued meanwhile)."""
-        self.close()
-        self.failure = error
-        return error
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-    def shutdown(self) -> None:
-        """Wake whatever waits on the socket (it fails with EPIPE); the lock holder closes it."""
-        if self.sock is not None:
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
-
-
 class TcpTransport(Transport):
     """KV chunks over TCP; see the module docstring for the wire format and the options."""
 
@@ -111,9 +65,6 @@ class TcpTransport(Transport):
         super().__init__(host, port, **options)
         settings = self._settings(_OPTIONS)
         self.timeout_s, self.buffer_bytes = float(settings["timeout_s"]), int(settings["buffer_bytes"])
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
-        self._links: dict[str, _Link] = {}
         self._acceptor: Acceptor | None = None
 
     def _tune(self, sock: socket.socket) -> None:
@@ -123,61 +74,26 @@ class TcpTransport(Transport):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.buffer_bytes)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.buffer_bytes)
 
-    # --- sending ---------------------------------------------------------------------------
+    # --- sending (the steps of Transport.write) ------------------------------------------------
 
-    async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
-        self._check_open()
-        payload = byte_view(data)
-        if payload.nbytes != header.nbytes:
-            raise ValueError(f"data has {payload.nbytes} bytes, header.nbytes is {header.nbytes}")
+    def _peer(self, address: str) -> str:
+        split_address(address, "tcp")
+        return address
+
+    async def _connect(self, peer: str) -> SocketLink:
+        def tune(sock: socket.socket) -> None:
+            self._tune(sock)
+            if hasattr(socket, "TCP_USER_TIMEOUT"):  # a peer that stops acking: fail, don't hang
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.timeout_s * 1000))
+
+        sock, _ = await dial(peer, GREETING, self.timeout_s, setup=tune)
+        log.debug("kv.conn.open", peer=peer)
+        return SocketLink(sock)
+
+    async def _send(self, link: SocketLink, address: str, header: KvChunkHeader, payload: memoryview) -> None:
         encoded = self._encoder.encode(header)
         head = FRAME.pack(MAGIC, WIRE_VERSION, len(encoded)) + encoded
-        link = self._links.get(address)
-        if link is None:
-            split_address(address, "tcp")  # ValueError before anything is kept for it
-            link = self._links.setdefault(address, _Link())
-        attempts = link.attempts
-        async with link.lock:
-            try:
-                self._check_open()
-                if not link.usable():
-                    link.close()
-                    if link.failure is not None and link.attempts > attempts:
-                        # it failed while we queued: fail too rather than wait out a timeout each
-                        raise type(link.failure)(*link.failure.args)
-                    await self._connect(address, link)
-                await send_gathered(link.sock, head, payload)  # type: ignore[arg-type]
-            except BaseException as exc:
-                link.close()
-                if (error := self._write_error(exc, address)) is exc:
-                    raise
-                raise error from exc
-            finally:
-                if self._closed:
-                    link.close()
-
-    async def _connect(self, address: str, link: _Link) -> None:
-        """Connect and handshake (within ``timeout_s``); sets ``link.sock``."""
-        host, port = split_address(address, "tcp")
-        loop = asyncio.get_running_loop()
-        link.attempts += 1
-        link.failure = None
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                family, sockaddr = await resolve(host, port)
-                link.sock = sock = socket.socket(family, socket.SOCK_STREAM)
-                self._tune(sock)
-                if hasattr(socket, "TCP_USER_TIMEOUT"):  # a peer that stops acking: fail, don't hang
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.timeout_s * 1000))
-                await loop.sock_connect(sock, sockaddr)
-                await loop.sock_sendall(sock, GREETING.ours)
-                refused = await GREETING.check(sock)
-        except (OSError, TimeoutError) as exc:
-            reason = str(exc) or f"no answer within {self.timeout_s} s"
-            raise link.fail(PeerUnreachable(f"cannot connect to {address}: {reason}")) from exc
-        if refused is not None:
-            raise link.fail(type(refused)(f"{address} {refused}"))
-        log.debug("kv.conn.open", peer=address)
+        await send_gathered(link.sock, head, payload)  # type: ignore[arg-type]
 
     # --- receiving -------------------------------------------------------------------------
 
@@ -223,27 +139,26 @@ class TcpTransport(Transport):
         except (OSError, PeerDisconnected) as exc:
             log.warning("kv.conn.lost", peer=peer, error=str(exc), mid_chunk=header is not None)
             if header is not None:
-                error = PeerDisconnected(f"{peer} disconnected mid-payload: {exc}")
-                self._post(ChunkNotice(header, error, time.monotonic()))
+                self._arrived(header, PeerDisconnected(f"{peer} disconnected mid-payload: {exc}"))
         finally:
             conn.close()
 
     async def _receive_payload(self, conn: socket.socket, peer: str, header: KvChunkHeader) -> None:
         if header.nbytes < 0:
             raise PeerDisconnected(f"{peer} sent a header with nbytes {header.nbytes}")
-        span = self._landing(header)
+        span = self._regions.landing(header)
         if isinstance(span, TransportError):  # read it into scratch space, keep the connection
             scratch = memoryview(bytearray(min(_SCRATCH, header.nbytes)))
             for start in range(0, header.nbytes, _SCRATCH):
                 part = scratch[: min(_SCRATCH, header.nbytes - start)]
                 if await recv_exact(conn, part) < part.nbytes:
                     raise PeerDisconnected(f"{peer} closed mid-payload")
-            self._post(ChunkNotice(header, span, time.monotonic()))
+            self._arrived(header, span)
         else:
             hasher = xxhash.xxh3_64()  # = pdflow.kv.checksum.checksum, fed as the bytes land
             if await recv_exact(conn, span, hasher) < header.nbytes:
                 raise PeerDisconnected(f"{peer} closed mid-payload")
-            self._post(self._landed(header, span, hasher.intdigest()))
+            self._arrived(header, span, hasher.intdigest())
 
     # --- closing ---------------------------------------------------------------------------
 
@@ -251,10 +166,7 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._mark_closed()
-        for link in self._links.values():
-            link.shutdown()
-            if not link.lock.locked():
-                link.close()
+        self._close_links()
         if self._acceptor is not None:
             await self._acceptor.aclose()
         log.debug("kv.closed", transport="tcp")

@@ -35,7 +35,7 @@ that resumes (if the caller changed it meanwhile, that chunk's notice fails its 
 Options: ``timeout_s`` (connect + handshake, and TCP keepalive on the link; default 30) and
 ``poll_s`` (see :class:`~pdflow.transports.ucx_worker.UcxWorker`; default 0: sleep on the
 worker's file descriptor between events, which measured best on 2 busy cores).
-``python -m pdflow.transports.ucx_bench`` measures it against bare UCX send/recv.
+``pdflow bench transfer --transports ucx`` measures it against bare UCX send/recv (``ucx-raw``).
 """
 
 from __future__ import annotations
@@ -45,38 +45,23 @@ import itertools
 import socket
 from typing import Any
 
-import msgspec
 import structlog
 
 from pdflow.messages import KvChunkHeader
-from pdflow.transports.base import (
-    IncompatiblePeer,
-    PeerDisconnected,
-    PeerUnreachable,
-    Transport,
-    TransportClosed,
-    TransportError,
-    byte_view,
-)
-from pdflow.transports.sockets import (
-    Acceptor,
-    address_of,
-    listen_inet,
-    recv_exact,
-    resolve,
-    split_address,
-)
+from pdflow.transports.base import Transport
+from pdflow.transports.errors import PeerDisconnected, PeerUnreachable, TransportClosed
+from pdflow.transports.sockets import Acceptor, address_of, dial, listen_inet, split_address
 from pdflow.transports.ucx_link import (
     FRAME,
     GREETING,
     MAGIC,
     MAX_HEADER,
     PIECE,
-    SCRATCH,
     WELCOME,
     WIRE_VERSION,
     Conn,
     Inbound,
+    read_welcome,
     tune,
 )
 from pdflow.transports.ucx_worker import UCXError, UcxWorker
@@ -86,36 +71,18 @@ log = structlog.get_logger()
 _OPTIONS = {"timeout_s": 30.0, "poll_s": 0.0}
 
 
-class _Link:
-    """What a sender keeps per address: the live connection, made under ``lock``."""
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.conn: Conn | None = None
-        self.attempts = 0  # connects tried so far
-        self.failure: PeerUnreachable | None = None  # why the last one failed
-
-    def drop(self, worker: UcxWorker | None) -> None:
-        if self.conn is not None:
-            self.conn.close(worker)
-            self.conn = None
-
-
 class UcxTransport(Transport):
     """KV chunks over UCX (shared memory + CMA on one host); see the module docstring."""
 
     name = "ucx"
+    _lost_errors = (OSError, UCXError)
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
         super().__init__(host, port, **options)
         settings = self._settings(_OPTIONS)
         self.timeout_s, self.poll_s = float(settings["timeout_s"]), float(settings["poll_s"])
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
         self._worker: UcxWorker | None = None
-        self._links: dict[str, _Link] = {}
         self._link_ids = itertools.count(1)
-        self.scratch = bytearray(SCRATCH)
         self._acceptor: Acceptor | None = None
 
     def _ucx(self) -> UcxWorker:
@@ -123,88 +90,40 @@ class UcxTransport(Transport):
             self._worker = UcxWorker(self.poll_s)
         return self._worker
 
-    # --- sending ---------------------------------------------------------------------------
+    # --- sending (the steps of Transport.write) ------------------------------------------------
 
-    async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
-        self._check_open()
-        payload = byte_view(data)
-        if payload.nbytes != header.nbytes:
-            raise ValueError(f"data has {payload.nbytes} bytes, header.nbytes is {header.nbytes}")
+    def _peer(self, address: str) -> str:
+        split_address(address, "ucx")
+        return address
+
+    async def _connect(self, peer: str) -> Conn:
+        """TCP connect and handshake, then the UCX endpoint to the worker address it brought."""
+        sock, welcome = await dial(peer, GREETING, self.timeout_s, setup=lambda s: tune(s, self.timeout_s),
+                                   welcome=read_welcome)  # fmt: skip
+        link_id, worker_address = welcome  # type: ignore[misc]
+        try:
+            endpoint = self._ucx().endpoint(worker_address)
+        except UCXError as exc:
+            sock.close()
+            raise PeerUnreachable(f"cannot connect to {peer}: {exc}") from exc
+        log.debug("kv.conn.open", peer=peer, link=link_id)
+        return Conn(sock, peer, link_id << 1, self._ucx(), endpoint)
+
+    async def _send(self, link: Conn, address: str, header: KvChunkHeader, payload: memoryview) -> Any:
+        """Post the header and the payload's pieces (UCX keeps one endpoint's messages in order)."""
         encoded = self._encoder.encode(header)
         if len(encoded) > MAX_HEADER:
             raise ValueError(f"chunk header of {len(encoded)} bytes is over {MAX_HEADER}")
         head = FRAME.pack(MAGIC, WIRE_VERSION, len(encoded)) + encoded
-        link = self._links.get(address)
-        if link is None:
-            split_address(address, "ucx")  # ValueError before anything is kept for it
-            link = self._links.setdefault(address, _Link())
-        attempts, conn = link.attempts, None
-        try:
-            async with link.lock:  # FIFO: writes are posted in call order
-                self._check_open()
-                if link.conn is None or not link.conn.alive():
-                    link.drop(self._worker)
-                    if link.failure is not None and link.attempts > attempts:
-                        # it failed while we queued: fail too rather than wait out a timeout each
-                        raise type(link.failure)(*link.failure.args)
-                    await self._connect(address, link)
-                conn, worker = link.conn, self._ucx()
-                assert conn is not None
-                requests = [worker.send(conn.endpoint, head, conn.tag)]
-                for start in range(0, payload.nbytes, PIECE):
-                    requests.append(worker.send(conn.endpoint, payload[start : start + PIECE], conn.tag | 1))
-            for request in reversed(requests):  # the last done means (nearly) all are: one wait
-                if not await conn.finish(worker, request):
-                    raise PeerDisconnected(f"lost connection to {address}")
-        except BaseException as exc:
-            if conn is not None:  # cancelled or failed mid-write: this link is done for
-                conn.close(self._worker)
-            if self._closed and isinstance(exc, (TransportError, UCXError, OSError)):
-                raise TransportClosed(f"ucx transport closed while writing to {address}") from exc
-            if isinstance(exc, UCXError):
-                log.warning("kv.conn.lost", peer=address, error=str(exc))
-                raise PeerDisconnected(f"UCX failed writing to {address}: {exc}") from exc
-            if isinstance(exc, PeerDisconnected):
-                log.warning("kv.conn.lost", peer=address, error=str(exc))
-            raise
+        requests = [link.worker.send(link.endpoint, head, link.tag)]
+        for start in range(0, payload.nbytes, PIECE):
+            requests.append(link.worker.send(link.endpoint, payload[start : start + PIECE], link.tag | 1))
+        return requests, head  # UCX reads head from its own memory until it is sent: keep it alive
 
-    async def _connect(self, address: str, link: _Link) -> None:
-        """TCP connect, handshake and UCX endpoint (within ``timeout_s``); sets ``link.conn``."""
-        host, port = split_address(address, "ucx")
-        loop = asyncio.get_running_loop()
-        link.attempts += 1
-        link.failure = None
-        sock: socket.socket | None = None
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                family, sockaddr = await resolve(host, port)
-                sock = socket.socket(family, socket.SOCK_STREAM)
-                tune(sock, self.timeout_s)
-                await loop.sock_connect(sock, sockaddr)
-                await loop.sock_sendall(sock, GREETING.ours)
-                refused = await GREETING.check(sock)
-                if isinstance(refused, IncompatiblePeer):
-                    sock.close()
-                    link.failure = IncompatiblePeer(f"{address} {refused}")
-                    raise link.failure
-                if refused is not None:
-                    raise ConnectionError("closed during the handshake")
-                welcome = bytearray(WELCOME.size)
-                if await recv_exact(sock, memoryview(welcome)) < WELCOME.size:
-                    raise ConnectionError("closed during the handshake")
-                link_id, length = WELCOME.unpack(welcome)
-                worker_address = bytearray(length)
-                if await recv_exact(sock, memoryview(worker_address)) < length:
-                    raise ConnectionError("closed during the handshake")
-            endpoint = self._ucx().endpoint(bytes(worker_address))
-        except (OSError, TimeoutError, UCXError) as exc:
-            if sock is not None:
-                sock.close()
-            reason = str(exc) or f"no answer within {self.timeout_s} s"
-            link.failure = PeerUnreachable(f"cannot connect to {address}: {reason}")
-            raise link.failure from exc
-        link.conn = Conn(sock, link_id << 1, endpoint)
-        log.debug("kv.conn.open", peer=address, link=link_id)
+    async def _finish(self, link: Conn, pending: tuple[list[Any], bytes]) -> None:
+        for request in reversed(pending[0]):  # the last done means (nearly) all are: one wait
+            if not await link.finish(request):
+                raise PeerDisconnected(f"lost connection to {link.peer}")
 
     # --- receiving -------------------------------------------------------------------------
 
@@ -226,8 +145,8 @@ class UcxTransport(Transport):
         try:
             link_id = await self._handshake(sock, peer)
             if link_id is not None:
-                conn = Conn(sock, link_id << 1)
-                inbound = Inbound(self, conn, peer)
+                conn = Conn(sock, peer, link_id << 1, self._ucx())
+                inbound = Inbound(conn, self._regions.landing, self._arrived)
                 await inbound.ended
         except OSError as exc:
             log.warning("kv.conn.lost", peer=peer, error=str(exc))
@@ -235,7 +154,7 @@ class UcxTransport(Transport):
             if inbound is not None:
                 inbound.stop()
             if conn is not None:
-                conn.close(None)
+                conn.close()
             sock.close()
 
     async def _handshake(self, sock: socket.socket, peer: str) -> int | None:
@@ -253,15 +172,10 @@ class UcxTransport(Transport):
         if self._closed:
             return
         self._mark_closed()
-        for link in self._links.values():
-            if link.conn is not None:
-                link.conn.lost()  # writers wake and raise TransportClosed; they close it
-                if not link.lock.locked():
-                    link.drop(self._worker)
+        self._close_links()  # writers wake and raise TransportClosed
         if self._acceptor is not None:
             await self._acceptor.aclose()
-        for link in self._links.values():
-            link.drop(self._worker)
+        self._close_links(busy=True)
         if self._worker is not None:
             self._worker.close(TransportClosed, "ucx transport is closed")
         log.debug("kv.closed", transport="ucx")

@@ -1,8 +1,9 @@
-"""The ucx transport's links: wire constants, the liveness connection, the receiving side.
+"""One ucx link, both ends: the wire constants, the liveness connection, the receiving side.
 
-Used by :mod:`pdflow.transports.ucx` (whose docstring describes the protocol): :class:`Conn`
+:mod:`pdflow.transports.ucx` (whose docstring describes the protocol) makes them. :class:`Conn`
 is one link's silent TCP connection (each side's liveness check) plus, on the sender, its UCX
-endpoint; :class:`Inbound` takes one link's chunks in on the receiver.
+endpoint: the sender's :class:`~pdflow.transports.links.Link`. :class:`Inbound` takes one link's
+chunks in on the receiver, handing each to the transport through the two callbacks it is given.
 """
 
 from __future__ import annotations
@@ -11,22 +12,19 @@ import asyncio
 import contextlib
 import socket
 import struct
-import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import structlog
 import xxhash
 
 from pdflow.messages import KvChunkHeader
-from pdflow.transports.base import ChunkNotice, PeerDisconnected, TransportError
-from pdflow.transports.sockets import Greeting
+from pdflow.transports.errors import PeerDisconnected, TransportError
+from pdflow.transports.links import Link
+from pdflow.transports.sockets import Greeting, recv_exact
 from pdflow.transports.ucx_worker import UCXError, UCXMessageTruncatedError, UcxWorker
-
-if TYPE_CHECKING:
-    from pdflow.transports.ucx import UcxTransport
 
 log = structlog.get_logger()
 
@@ -38,6 +36,10 @@ FRAME = struct.Struct("!4sHI")  # magic, wire version, header length; then the m
 MAX_HEADER = 1 << 16
 SCRATCH = 1 << 16  # where payloads with nowhere to go are drained
 PIECE = 16 << 20  # payloads go as messages of at most this size, each hashed as it lands (in L3)
+_DECODER = msgspec.msgpack.Decoder(KvChunkHeader)
+
+Landing = Callable[[KvChunkHeader], memoryview | TransportError]  # where a payload goes, or why not
+Arrived = Callable[[KvChunkHeader, memoryview | TransportError, int | None], None]  # span or error, digest
 
 
 def tune(sock: socket.socket, timeout_s: float) -> None:
@@ -52,11 +54,24 @@ def tune(sock: socket.socket, timeout_s: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
-class Conn:
-    """One link: its silent TCP connection (the liveness check) and, on the sender, its endpoint."""
+async def read_welcome(sock: socket.socket) -> tuple[int, bytes]:
+    """The sender's side of WELCOME: (link id, the receiver's UCX worker address)."""
+    welcome = bytearray(WELCOME.size)
+    if await recv_exact(sock, memoryview(welcome)) < WELCOME.size:
+        raise ConnectionError("closed during the handshake")
+    link_id, length = WELCOME.unpack(welcome)
+    worker_address = bytearray(length)
+    if await recv_exact(sock, memoryview(worker_address)) < length:
+        raise ConnectionError("closed during the handshake")
+    return link_id, bytes(worker_address)
 
-    def __init__(self, sock: socket.socket, tag: int, endpoint: Any = None) -> None:
-        self.sock, self.tag, self.endpoint = sock, tag, endpoint
+
+class Conn(Link):
+    """One link to ``peer``: its silent TCP connection (the liveness check) and, on the sender,
+    its endpoint on ``worker``."""
+
+    def __init__(self, sock: socket.socket, peer: str, tag: int, worker: UcxWorker, endpoint: Any = None) -> None:
+        self.sock, self.peer, self.tag, self.worker, self.endpoint = sock, peer, tag, worker, endpoint
         self.gone = False
         self.on_lost: Callable[[], None] | None = None
         self._waiting: set[asyncio.Future[None]] = set()
@@ -71,7 +86,7 @@ class Conn:
             pass
         self.lost()
 
-    def alive(self) -> bool:
+    def usable(self) -> bool:
         """False once the peer closed or reset (checked now, not only when the loop noticed)."""
         if not self.gone:
             try:
@@ -96,10 +111,15 @@ class Conn:
         if self.on_lost is not None:
             self.on_lost()
 
-    async def finish(self, worker: UcxWorker, request: Any) -> bool:
+    def interrupt(self) -> None:
+        """Mark it gone, which wakes the writes waiting on it; the socket stays open for now."""
+        self.lost()
+
+    async def finish(self, request: Any) -> bool:
         """Wait for ``request``: True once it completed (UCXError if it failed), False if the
         link went first and nothing that had arrived completes it (the request is then dropped,
         which cancels it)."""
+        worker = self.worker
         if not request.completed and not self.gone:
             future = worker.completion(request)
             self._waiting.add(future)
@@ -115,12 +135,12 @@ class Conn:
         request.check_error()
         return True
 
-    def close(self, worker: UcxWorker | None) -> None:
+    def close(self) -> None:
         """Close it now; the endpoint's UCX close goes on in the background (without error
         handling it never completes for a stopped or dead peer, and close_blocking would hang)."""
         self.lost()
-        if self.endpoint is not None and worker is not None:
-            worker.keep(self.endpoint.close())
+        if self.endpoint is not None:
+            self.worker.keep(self.endpoint.close())
         self.endpoint = None
         self.sock.close()
 
@@ -131,12 +151,15 @@ class Inbound:
     Header received -> the payload's pieces received into the region one after another, each
     hashed as it lands (still in cache) -> checksum compared, notice -> the next header's
     receive posted: no task switch in between, while the sender waits on each step. ``ended``
-    resolves when the link is over (the peer went, or sent something malformed).
+    resolves when the link is over (the peer went, or sent something malformed). ``landing``
+    says where a chunk's payload goes (or why nowhere); ``arrived`` gets each chunk's span (or
+    why it did not land) and the payload's digest.
     """
 
-    def __init__(self, transport: UcxTransport, conn: Conn, peer: str) -> None:
-        self.transport, self.conn, self.peer = transport, conn, peer
-        self.worker = transport._ucx()
+    def __init__(self, conn: Conn, landing: Landing, arrived: Arrived) -> None:
+        self.conn, self.peer, self.worker = conn, conn.peer, conn.worker
+        self.landing, self.arrived = landing, arrived
+        self.scratch = bytearray(SCRATCH)
         self.frame = bytearray(FRAME.size + MAX_HEADER)
         self.posted: deque[tuple[Any, memoryview | bytearray]] = deque()  # receives, in order
         self.header: KvChunkHeader | None = None  # while its payload is being received
@@ -168,14 +191,14 @@ class Inbound:
             log.error("kv.frame.malformed", peer=self.peer, magic=bytes(magic), wire=wire, length=length)
             return self.stop()
         try:
-            header = self.transport._decoder.decode(memoryview(self.frame)[FRAME.size : FRAME.size + length])
+            header = _DECODER.decode(memoryview(self.frame)[FRAME.size : FRAME.size + length])
         except msgspec.DecodeError as exc:
             log.error("kv.frame.malformed", peer=self.peer, error=str(exc))
             return self.stop()
         if header.nbytes < 0:
             log.error("kv.frame.malformed", peer=self.peer, nbytes=header.nbytes)
             return self.stop()
-        self.header, self.span, self.received = header, self.transport._landing(header), 0
+        self.header, self.span, self.received = header, self.landing(header), 0
         if not isinstance(self.span, TransportError):
             self.hasher = xxhash.xxh3_64()  # = pdflow.kv.checksum.checksum, fed piece by piece
         self._next_piece()
@@ -186,7 +209,7 @@ class Inbound:
         if self.received == self.header.nbytes:
             return self._landed()
         if isinstance(self.span, TransportError):  # nowhere to go: into scratch (UCX truncates it)
-            piece: memoryview | bytearray = self.transport.scratch
+            piece: memoryview | bytearray = self.scratch
         else:
             piece = self.span[self.received : self.received + PIECE]
         self.received = min(self.received + PIECE, self.header.nbytes)
@@ -206,20 +229,15 @@ class Inbound:
         self._next_piece()
 
     def _landed(self) -> None:
-        header, span = self.header, self.span
-        assert header is not None and span is not None
-        if isinstance(span, TransportError):
-            self.transport._post(ChunkNotice(header, span, time.monotonic()))
-        else:
-            self.transport._post(self.transport._landed(header, span, self.hasher.intdigest()))
+        assert self.header is not None and self.span is not None
+        self.arrived(self.header, self.span, None if self.hasher is None else self.hasher.intdigest())
         self._expect_header()
 
     def _cut(self, why: str) -> None:
         """The payload will not land: a PeerDisconnected notice for it, and the link ends."""
         assert self.header is not None
         log.warning("kv.conn.lost", peer=self.peer, error=why, mid_chunk=True)
-        error = PeerDisconnected(f"{self.peer} disconnected mid-payload: {why}")
-        self.transport._post(ChunkNotice(self.header, error, time.monotonic()))
+        self.arrived(self.header, PeerDisconnected(f"{self.peer} disconnected mid-payload: {why}"), None)
         self.stop()
 
     def _lost(self) -> None:

@@ -2,7 +2,8 @@
 
 ucxx's own asyncio layer keeps one worker per process, progresses it from a thread (or a task
 that polls without end), and has every pending request spin on ``asyncio.sleep(0)``; on two busy
-cores that starves the very copies it waits for (measured: ``ucx_bench``'s ``ucxx-api`` column).
+cores that starves the very copies it waits for (measured against ucxx's own API with the former
+``pdflow/transports/ucx_bench.py``, in git history; ``pdflow bench transfer`` measures ``ucx-raw``).
 :class:`UcxWorker` instead gives each transport its own worker and progresses it inside the
 loop's callbacks: when the worker's file descriptor signals, when a request is posted, and as a
 once-a-second backstop. Completions resolve futures (:meth:`UcxWorker.completion`) or run
@@ -66,7 +67,7 @@ class UcxWorker:
     go yields to the loop after 1 ms (the rest of the process runs, then it goes on), so that a
     stream of chunks cannot starve the process's other coroutines.
     ``poll_s`` > 0 keeps polling (one pass per loop iteration) that long after the last
-    completion: lower latency on idle cores, worse on busy ones (measured: ucx_bench).
+    completion: lower latency on idle cores, worse on busy ones (measured: the former ucx_bench).
     """
 
     def __init__(self, poll_s: float = 0.0) -> None:

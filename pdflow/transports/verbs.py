@@ -7,7 +7,9 @@ Reviewed line by line (2026-11-29): PSNs cross over (each side's sq_psn is the o
 immediates are passed through raw on both ends (no byte-order conversion on either side), a
 write cancelled or failed mid-way drops its link (QP and connection) so the next write starts
 a fresh one, and a payload whose header came but whose bytes never did is reported as
-PeerDisconnected when the sender's connection ends.
+PeerDisconnected when the sender's connection ends. Since then (2026-11-30) its writes go through
+the shared :meth:`Transport.write` (one link per receiver, whatever the region: ``_peer``);
+that step was checked only with pyverbs mocked out (connect, send, link reuse, errors).
 Importing raises ImportError (the registry then says why) without pyverbs or without a device.
 
 The receiver listens on TCP at ``verbs://host:port``; a sender connects once per receiver, both
@@ -28,11 +30,11 @@ the receiver). Options: ``timeout_s`` (connect; 30), ``device`` (the first), ``g
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import socket
 import struct
-import time
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -50,17 +52,15 @@ from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
 from pdflow.messages import PROTOCOL_VERSION, KvChunkHeader
-from pdflow.transports.base import (
-    ChunkNotice,
+from pdflow.transports.base import Transport
+from pdflow.transports.errors import (
     IncompatiblePeer,
     PeerDisconnected,
     PeerUnreachable,
-    Transport,
     TransportClosed,
     TransportError,
-    byte_view,
 )
-from pdflow.transports.sockets import Acceptor, listen_inet
+from pdflow.transports.sockets import Acceptor, SocketLink, listen_inet
 
 try:
     _NO_DEVICE = None if get_device_list() else "no RDMA device found (ibv_get_device_list is empty)"
@@ -91,19 +91,39 @@ async def _recv(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-class _Link:
-    """One RC queue pair and the TCP connection beside it."""
+@functools.lru_cache(maxsize=1024)
+def _target(address: str) -> tuple[str, int, dict[str, int]]:
+    """``verbs://host:port/<region>?addr=..&rkey=..&len=..`` -> (the receiver's ``verbs://host:port``,
+    the region, its addr, rkey and len); ValueError for anything else."""
+    parts = urlsplit(address)
+    where = {k: int(v[0]) for k, v in parse_qs(parts.query).items() if v[0].isdigit()}
+    region = parts.path.strip("/")
+    if parts.scheme != "verbs" or parts.port is None or not region.isdigit() \
+            or not {"addr", "rkey", "len"} <= where.keys():  # fmt: skip
+        raise ValueError(f"{address!r} is not a verbs address_for() of a region")
+    return f"verbs://{parts.netloc}", int(region), where
+
+
+class _Link(SocketLink):
+    """One RC queue pair and the TCP connection beside it (on which the receiver never sends)."""
 
     def __init__(self, qp: QP, sock: socket.socket) -> None:
-        self.qp, self.sock, self.lock, self.seq = qp, sock, asyncio.Lock(), itertools.count()
+        super().__init__(sock)
+        self.qp, self.seq = qp, itertools.count()
         self.headers: dict[int, KvChunkHeader] = {}  # receiver: headers whose payload is due
         self.landed: set[int] = set()  # receiver: payloads whose header has not come yet
+
+    def close(self) -> None:
+        if self.sock is not None:
+            super().close()
+            self.qp.close()
 
 
 class VerbsTransport(Transport):
     """KV chunks by RDMA WRITE WITH IMMEDIATE; see the module docstring (and what was not run)."""
 
     name = "verbs"
+    _lost_errors = (OSError, PyverbsError)
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
         super().__init__(host, port, **options)
@@ -114,10 +134,9 @@ class VerbsTransport(Transport):
         self.port_attr, self.gid = self.ctx.query_port(PORT), self.ctx.query_gid(PORT, self.gid_index)
         self._mrs: dict[int, MR] = {}
         self._sink = MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)  # receive WRs need an SGE; unused
-        self._links: dict[str, _Link] = {}  # sender: by receiver address
         self._by_qpn: dict[int, _Link] = {}  # receiver: by our QP number
         self._sends: dict[int, asyncio.Future[None]] = {}  # by work request id (>= SEND_IDS)
-        self._send_ids, self._dialing = itertools.count(SEND_IDS), asyncio.Lock()
+        self._send_ids = itertools.count(SEND_IDS)
         self._acceptor: Acceptor | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._poller: asyncio.Task[None] | None = None  # polls the CQ for both directions
@@ -183,57 +202,37 @@ class VerbsTransport(Transport):
 
     # --- sending --------------------------------------------------------------------------------
 
-    async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
-        self._check_open()
-        payload = byte_view(data)
-        if payload.nbytes != header.nbytes:
-            raise ValueError(f"data has {payload.nbytes} bytes, header.nbytes is {header.nbytes}")
-        parts = urlsplit(address)
-        where = {k: int(v[0]) for k, v in parse_qs(parts.query).items() if v[0].isdigit()}
-        if parts.scheme != "verbs" or parts.port is None or parts.path.strip("/") != str(header.region) \
-                or not {"addr", "rkey", "len"} <= where.keys():  # fmt: skip
-            raise ValueError(f"{address!r} is not the verbs address_for() of region {header.region}")
-        base, fits = f"verbs://{parts.netloc}", 0 <= header.offset <= where["len"] - header.nbytes
-        async with self._dialing:  # one link per receiver, even when writes race to make it
-            if base not in self._links:
-                sock = None
-                try:
-                    async with asyncio.timeout(self.timeout_s):
-                        sock = socket.socket(socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET)
-                        sock.setblocking(False)
-                        await asyncio.get_running_loop().sock_connect(sock, (parts.hostname, parts.port))
-                        self._links[base] = _Link(await self._link_up(sock, receiving=False), sock)
-                except IncompatiblePeer:
-                    if sock is not None:
-                        sock.close()
-                    raise
-                except (OSError, TimeoutError, PyverbsError, ValueError) as exc:
-                    if sock is not None:
-                        sock.close()
-                    raise PeerUnreachable(f"cannot connect to {base}: {str(exc) or 'timed out'}") from exc
-                self._poller = self._poller or self._spawn(self._poll_cq())
-        link = self._links[base]
-        try:
-            async with link.lock:  # one header + write at a time per link, in call order
-                seq, encoded = next(link.seq) & 0xFFFFFFFF, msgspec.msgpack.encode(header)
-                has_payload = fits and payload.nbytes > 0
-                await asyncio.get_running_loop().sock_sendall(link.sock, FRAME.pack(len(encoded), seq, has_payload) + encoded)
-                if has_payload:
-                    await self._rdma_write(link, payload, where["addr"] + header.offset, where["rkey"], seq)
-        except asyncio.CancelledError:
-            self._drop(base, link)  # cancelled mid-write: what this QP still does is unknown
-            raise
-        except (OSError, PyverbsError, PeerDisconnected) as exc:
-            self._drop(base, link)  # the next write reconnects
-            if self._closed:
-                raise TransportClosed("verbs transport closed while writing") from exc
-            raise PeerDisconnected(f"lost connection to {base}: {exc}") from exc
+    def _peer(self, address: str) -> str:
+        return _target(address)[0]  # one link per receiver, whatever the region
 
-    def _drop(self, base: str, link: _Link) -> None:
-        if self._links.get(base) is link:
-            del self._links[base]
-            link.sock.close()
-            link.qp.close()
+    async def _connect(self, peer: str) -> _Link:
+        parts, sock = urlsplit(peer), None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                sock = socket.socket(socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET)
+                sock.setblocking(False)
+                await asyncio.get_running_loop().sock_connect(sock, (parts.hostname, parts.port))
+                link = _Link(await self._link_up(sock, receiving=False), sock)
+        except BaseException as exc:
+            if sock is not None:
+                sock.close()
+            if not isinstance(exc, (OSError, TimeoutError, PyverbsError, ValueError)):
+                raise  # IncompatiblePeer among them
+            raise PeerUnreachable(f"cannot connect to {peer}: {str(exc) or 'timed out'}") from exc
+        self._poller = self._poller or self._spawn(self._poll_cq())
+        return link
+
+    async def _send(self, link: _Link, address: str, header: KvChunkHeader, payload: memoryview) -> None:
+        """The header over TCP (sequence number, payload follows?), then the payload by RDMA."""
+        _, region, where = _target(address)
+        if region != header.region:
+            raise ValueError(f"{address!r} is not the verbs address_for() of region {header.region}")
+        seq, encoded = next(link.seq) & 0xFFFFFFFF, self._encoder.encode(header)
+        has_payload = payload.nbytes > 0 and 0 <= header.offset <= where["len"] - header.nbytes
+        frame = FRAME.pack(len(encoded), seq, has_payload) + encoded
+        await asyncio.get_running_loop().sock_sendall(link.sock, frame)  # type: ignore[arg-type]
+        if has_payload:
+            await self._rdma_write(link, payload, where["addr"] + header.offset, where["rkey"], seq)
 
     async def _rdma_write(self, link: _Link, payload: memoryview, remote: int, rkey: int, seq: int) -> None:
         mr = MR(self.pd, payload.nbytes, 0, address=_address_of(payload))  # read only: 0 access
@@ -263,31 +262,26 @@ class VerbsTransport(Transport):
     async def _serve(self, sock: socket.socket, peer: str) -> None:
         """Handshake, then header frames until the sender goes; payloads land via the CQ."""
         sock.setblocking(False)
-        link, decoder = None, msgspec.msgpack.Decoder(KvChunkHeader)
+        link = None
         try:
             qp = await self._link_up(sock, receiving=True)
             link = self._by_qpn[qp.qp_num] = _Link(qp, sock)
             while True:
                 length, seq, has_payload = FRAME.unpack(await _recv(sock, FRAME.size))
-                header = decoder.decode(await _recv(sock, length))
+                header = self._decoder.decode(await _recv(sock, length))
                 if not has_payload or seq in link.landed:
                     link.landed.discard(seq)
-                    self._post(self._notice(header))
+                    self._arrived(header, self._regions.landing(header))
                 else:
                     link.headers[seq] = header
         except (OSError, PyverbsError, TransportError, msgspec.DecodeError) as exc:
             log.warning("kv.conn.lost", peer=peer, error=str(exc))
         finally:
             for header in link.headers.values() if link else ():
-                self._post(ChunkNotice(header, PeerDisconnected(f"{peer} went mid-payload"), time.monotonic()))
+                self._arrived(header, PeerDisconnected(f"{peer} went mid-payload"))
             if link is not None and self._by_qpn.pop(link.qp.qp_num, None) is link:
-                link.qp.close()
+                link.close()
             sock.close()
-
-    def _notice(self, header: KvChunkHeader) -> ChunkNotice:
-        if isinstance(span := self._landing(header), TransportError):
-            return ChunkNotice(header, span, time.monotonic())
-        return self._landed(header, span)
 
     async def _poll_cq(self) -> None:
         while True:
@@ -310,7 +304,7 @@ class VerbsTransport(Transport):
         if (header := link.headers.pop(wc.imm_data, None)) is None:
             link.landed.add(wc.imm_data)  # its header is still on its way over TCP
         else:
-            self._post(self._notice(header))
+            self._arrived(header, self._regions.landing(header))
 
     def _recv_wr(self, wr_id: int) -> RecvWR:
         return RecvWR(wr_id=wr_id, num_sge=1, sg=[SGE(self._sink.buf, self._sink.length, self._sink.lkey)])
@@ -333,9 +327,9 @@ class VerbsTransport(Transport):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._acceptor is not None:
             await self._acceptor.aclose()
-        for link in [*self._links.values(), *self._by_qpn.values()]:
-            link.sock.close()
-            link.qp.close()
+        self._close_links(busy=True)
+        for link in self._by_qpn.values():
+            link.close()
         for region in list(self._mrs):
             self.unregister(region)
         self.ctx.close()  # and with it the PD, CQ and the sink MR (pyverbs closes dependents)
