@@ -81,3 +81,20 @@ async def test_memory_hub_carries_messages_between_buses():
     await ingress.broadcast("decode", Cancel("r-2"))
     assert await asyncio.wait_for(decode1.recv(), 1) == Cancel("r-2")
     assert hub.inbox("decode", 0).qsize() == 1
+
+
+async def test_launcher_fails_fast_naming_the_stage_and_both_versions(tmp_path):
+    from pdflow.messages import Ready
+    from pdflow.runtime.launcher import Launcher
+
+    launcher = Launcher(_topology(tmp_path), tmp_path)
+    await launcher._handle(Ready("decode", 0, 4242, PROTOCOL_VERSION + 1))
+    assert launcher.stop_requested.is_set() and not launcher.replicas[("decode", 0)].ready
+    assert f"decode-0 speaks pdflow protocol {PROTOCOL_VERSION + 1}" in launcher.fatal
+    assert f"the launcher speaks {PROTOCOL_VERSION}" in launcher.fatal
+
+    # a Ready framed by another version is not decoded as ours, yet the sender is named
+    older = Launcher(_topology(tmp_path), tmp_path)
+    older._foreign(_frame(PROTOCOL_VERSION - 1, Ready("prefill", 1, 7, PROTOCOL_VERSION - 1)))
+    assert older.stop_requested.is_set()
+    assert f"prefill-1 (pid 7) speaks pdflow protocol {PROTOCOL_VERSION - 1}" in older.fatal

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ def test_in_process_pipeline_answers_through_the_openai_client():
 
 def test_custom_router_keeps_a_shared_prefix_on_one_replica():
     out = _run("custom_router.py", "--port", str(free_port_base()))
-    picked = eval(out.split("replicas picked:")[1])  # {('decode', 0): 3, ...}: printed by the example
+    picked = ast.literal_eval(out.split("replicas picked:")[1].strip())  # {('decode', 0): 3, ...}
     decode = {replica: n for (stage, replica), n in picked.items() if stage == "decode"}
     assert sum(decode.values()) == 3 and len(decode) == 1  # chats share the template's first 16 tokens
 

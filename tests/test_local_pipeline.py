@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pdflow import LocalPipeline, Pipeline, Stage
-from pdflow.messages import PrefillDone, Route, TextDelta
+from pdflow.messages import Route, TextDelta
 from pdflow.testing.server import free_port_base
 
 pytestmark = pytest.mark.e2e
@@ -43,10 +43,9 @@ def running(model_dir):
     loop = asyncio.new_event_loop()
     local = LocalPipeline(pipeline.with_ports(free_port_base()), model_dir=model_dir)
     loop.run_until_complete(local.start())
-    sent: list = []
-    put = local.hub.put
-    local.hub.put = lambda stage, replica, message: (sent.append((stage, message)), put(stage, replica, message))[1]
-    local.sent, local.loop = sent, loop
+    local.sent = []
+    local.hub.tap = lambda stage, replica, message: local.sent.append((stage, message))
+    local.loop = loop
     yield local
     loop.run_until_complete(local.stop())
     loop.close()
@@ -114,21 +113,28 @@ def test_stop_string_on_the_first_token_leaves_every_table_empty(running):
 def test_cancel_during_prefill_sends_no_prefill_done_and_leaves_every_table_empty(running):
     long_prompt = "Tell me about the history of every European capital city. " * 60
 
-    async def ask_and_leave():
+    prefill = running.stage("prefill")
+
+    async def ask_and_leave() -> str:
         async with httpx.AsyncClient(base_url=running.url, timeout=60) as http:
             request = http.post("/v1/completions", json={"model": "smollm2", "prompt": long_prompt, "max_tokens": 8})
             task = asyncio.ensure_future(request)
-            await asyncio.sleep(0.3)  # prefill of ~720 tokens takes seconds here
+            while not prefill.requests.active:  # prefill holds it: leave 0.2 s into its forward pass
+                await asyncio.sleep(0.01)
+            (request_id,) = prefill.requests.active
+            await asyncio.sleep(0.2)  # prefill of ~720 tokens takes seconds here
             task.cancel()
-        await asyncio.sleep(0.5)
-        return [rid for rid, p in running.stage("prefill").requests.active.items()]
+        return request_id
 
     del running.sent[:]
-    running.loop.run_until_complete(ask_and_leave())
+    request_id = running.loop.run_until_complete(ask_and_leave())
     tables = _settle(running, timeout_s=60)
     assert all(v == 0 for sizes in tables.values() for v in sizes.values()), tables
-    assert running.stage("prefill").requests.sizes()["ended"] >= 1
-    assert not [m for stage, m in running.sent if isinstance(m, PrefillDone)], "prefill sent PrefillDone"
+    assert prefill.requests.is_over(request_id)
+    about_it = [(stage, type(m).__name__) for stage, m in running.sent if getattr(m, "request_id", None) == request_id]
+    assert ("prefill", "Cancel") in about_it  # the client left, and ingress told prefill
+    # the cancel came during the prefill (no first token went out), and nothing followed it
+    assert ("egress", "Tokens") not in about_it and ("decode", "PrefillDone") not in about_it, about_it
 
 
 def test_a_handler_exception_reaches_the_client_at_once(running):

@@ -67,14 +67,14 @@ def test_unavailable_transports_say_how_to_install(monkeypatch: pytest.MonkeyPat
     for module in ("ucxx", "pyverbs", "pdflow.transports.ucx", "pdflow.transports.ucx_link",
                    "pdflow.transports.ucx_worker", "pdflow.transports.verbs"):
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed (None: ImportError)
-    transports._resolve.cache_clear()
+    transports.registry.refresh()
     try:
         assert "pip install 'pdflow[ucx]'" in transports.availability("ucx")
         assert "python3-pyverbs" in transports.availability("verbs")
         with pytest.raises(ImportError, match=r"pdflow\[ucx\]"):
             transports.load("ucx")
     finally:
-        transports._resolve.cache_clear()
+        transports.registry.refresh()
 
 
 def test_verbs_says_why_it_cannot_run_here() -> None:
@@ -100,14 +100,14 @@ def test_entry_point_transports(monkeypatch: pytest.MonkeyPatch) -> None:
         "plugin": EntryPoint("plugin", "pdflow.transports.inproc:InProcTransport", group),
         "broken": EntryPoint("broken", "no_such_module_xyz:Thing", group),
     }
-    monkeypatch.setattr(transports, "_entry_points", lambda: plugins)
-    transports._resolve.cache_clear()
+    transports.registry.refresh()
+    monkeypatch.setattr(transports.registry, "_entry_points", plugins)
     try:
         assert transports.names()[-2:] == ["plugin", "broken"]
         assert transports.load("plugin").name == "inproc"
         assert "failed to load" in transports.availability("broken")
     finally:
-        transports._resolve.cache_clear()
+        transports.registry.refresh()
 
 
 def test_unknown_options_are_rejected() -> None:

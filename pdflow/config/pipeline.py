@@ -187,9 +187,6 @@ class Pipeline:
         engine = fields.pop("engine", EngineConfig(mode=mode))
         return cls(model=model, stages=stages, links=links, engine=engine, **fields)
 
-    def replace(self, **changes: Any) -> Pipeline:
-        return dataclasses.replace(self, **changes)
-
     def with_stage(
         self, name: str, kind: str | type, *, after: str | None = None, output: str = "text",
         **config: Any,
@@ -208,7 +205,7 @@ class Pipeline:
             target = upstream.outputs.get(output) or _default_output(upstream, output)
             outputs.setdefault(output, target)
             stages[after] = dataclasses.replace(upstream, outputs={**upstream.outputs, output: name})
-        port = config.pop("port", 0) or _free_plugin_port(stages)
+        port = config.pop("port", 0) or free_plugin_port(stages)
         stages[name] = StageConfig(name=name, kind=kind, port=port, outputs=outputs, **config)
         return dataclasses.replace(self, stages=stages)
 
@@ -239,9 +236,6 @@ class Pipeline:
             stages[name] = dataclasses.replace(stage, **changes)
         return dataclasses.replace(self, server=ServerConfig(self.server.host, base),
                                    control=ControlConfig(self.control.host, base + 1), stages=stages)
-
-    def ports_needed(self) -> int:
-        return 3 + sum(s.replicas * (2 if s.data_port is not None else 1) for s in self.stages.values())
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -300,7 +294,7 @@ def _default_output(stage: StageConfig, output: str) -> str:
     return outputs[output]
 
 
-def _free_plugin_port(stages: dict[str, StageConfig]) -> int:
+def free_plugin_port(stages: dict[str, StageConfig]) -> int:
     taken = {s.port + i for s in stages.values() for i in range(s.replicas)}
     port = PLUGIN_PORTS
     while port in taken:

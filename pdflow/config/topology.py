@@ -37,6 +37,7 @@ from pdflow.config.pipeline import (
     ServerConfig,
     StageConfig,
     default_stage,
+    free_plugin_port,
 )
 from pdflow.config.toml_lines import LineMap
 from pdflow.config.toml_reader import TableReader, TopologyError, describe, syntax_error
@@ -195,18 +196,12 @@ def _stage(r: TableReader, name: str, t: dict[str, Any], mode: str,
         "options": _table(r, t, prefix, "options"),
     }
     if "port" in t or not builtin:
-        config["port"] = r.integer(t, prefix, "port", _plugin_port(earlier or {}), ge=1, le=65535)
+        config["port"] = r.integer(t, prefix, "port", free_plugin_port(earlier or {}), ge=1, le=65535)
     if "data_port" in t:
         config["data_port"] = r.integer(t, prefix, "data_port", 0, ge=1, le=65535)
     if builtin:
         return default_stage(name, mode, **config)
     return StageConfig(name=name, **config)
-
-
-def _plugin_port(earlier: dict[str, StageConfig]) -> int:
-    from pdflow.config.pipeline import _free_plugin_port
-
-    return _free_plugin_port(earlier)
 
 
 def _table(r: TableReader, t: dict[str, Any], prefix: str, name: str) -> dict[str, Any]:

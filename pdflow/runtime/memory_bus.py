@@ -12,6 +12,7 @@ tests of one stage, which send it messages and read its answers through buses of
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from pdflow.messages import Message
 from pdflow.runtime.bus import FROM_LAUNCHER, Bus, Framing
@@ -28,6 +29,7 @@ class MemoryHub:
         self.inboxes: dict[tuple[str, int], asyncio.Queue[bytes]] = {}
         self.subscribers: list[asyncio.Queue[bytes]] = []  # the launcher's PUB, one queue per bus
         self._launcher_framing = Framing(FROM_LAUNCHER)
+        self.tap: Callable[[str, int, Message], None] | None = None  # sees every message sent
 
     def inbox(self, stage: str, replica: int) -> asyncio.Queue[bytes]:
         return self.inboxes.setdefault((stage, replica), asyncio.Queue())
@@ -36,6 +38,8 @@ class MemoryHub:
         return MemoryBus(self, stage, replica)
 
     def put(self, stage: str, replica: int, message: Message) -> None:
+        if self.tap is not None:
+            self.tap(stage, replica, message)
         self.inbox(stage, replica).put_nowait(self.framing.encode(message))
 
     def publish(self, message: Message) -> None:

@@ -66,7 +66,7 @@ class RequestTable(Generic[State]):
     def end(self, request_id: str) -> State | None:
         """Forget ``request_id`` and remember that it ended; its state, if it was held."""
         state = self.active.pop(request_id, None)
-        self._drop_early(request_id)
+        self.take_early(request_id)
         self.ended[request_id] = time.monotonic() + self.limits.ended_ttl_s
         self.ended.move_to_end(request_id)
         while len(self.ended) > self.limits.max_ended:
@@ -100,19 +100,18 @@ class RequestTable(Generic[State]):
         self._early_count -= len(entry[1])
         return entry[1]
 
-    def _drop_early(self, request_id: str) -> None:
-        self.take_early(request_id)
-
     # --- housekeeping ------------------------------------------------------------------------
 
     def expire(self, now: float | None = None) -> None:
         """Drop early messages past their deadline and forget ended ids past theirs."""
         now = time.monotonic() if now is None else now
-        for request_id, (deadline, messages) in list(self.early.items()):
-            if deadline <= now:
-                self.take_early(request_id)
-                log.warning("request.early.expired", request_id=request_id, messages=len(messages),
-                            message=type(messages[0]).__name__)
+        while self.early:  # oldest first: every hold has the same time to live
+            request_id, (deadline, messages) = next(iter(self.early.items()))
+            if deadline > now:
+                break
+            self.take_early(request_id)
+            log.warning("request.early.expired", request_id=request_id, messages=len(messages),
+                        message=type(messages[0]).__name__)
         while self.ended and next(iter(self.ended.values())) <= now:
             self.ended.popitem(last=False)
 

@@ -164,9 +164,7 @@ class Stage:
         """The one cancel path: end the request here and free what it holds (idempotent)."""
         state = self.requests.end(request_id)
         if state is not None:
-            result = self.on_cancel(request_id, state, reason)
-            if inspect.isawaitable(result):
-                await result
+            await _call(self.on_cancel, request_id, state, reason)
 
     def finish(self, request_id: str) -> Any:
         """The request is done here: out of the table (late messages for it are dropped)."""
@@ -174,8 +172,7 @@ class Stage:
 
     async def fail(self, request_id: str, error: str, route: Route | None = None) -> None:
         """Tell ingress the request failed here (the client gets ``error``), and cancel it."""
-        state = self.requests.get(request_id)
-        route = route or getattr(state, "route", None) or getattr(getattr(state, "request", None), "route", None)
+        route = route or getattr(self.requests.get(request_id), "route", None)  # states carry their route
         self.log.error("request.failed", request_id=request_id, error=error)
         ingress = route.of("ingress") if route is not None else 0
         await self.bus.send("ingress", ingress, RequestFailed(request_id, self.name, error))
@@ -239,9 +236,7 @@ class Stage:
             self.log.warning("bus.unexpected", message=kind.__name__)
             return
         try:
-            result = handler(message)
-            if inspect.isawaitable(result):
-                await result
+            await _call(handler, message)
         except Exception as exc:
             self.log.exception("bus.handler.failed", message=kind.__name__, request_id=request_id)
             failed = getattr(message, "request_id", None)
@@ -271,9 +266,7 @@ class Stage:
             if handler is None:
                 continue
             try:
-                result = handler(message)
-                if inspect.isawaitable(result):
-                    await result
+                await _call(handler, message)
             except Exception:
                 self.log.exception("bus.handler.failed", message=type(message).__name__)
 
@@ -284,3 +277,10 @@ class Stage:
             self.requests.expire()
             seq += 1
             await asyncio.sleep(self.limits.heartbeat_interval_s)
+
+
+async def _call(handler: Callable[..., Awaitable[None] | None], *args: Any) -> None:
+    """Run a hook or handler that may be a plain function or a coroutine function."""
+    result = handler(*args)
+    if inspect.isawaitable(result):
+        await result

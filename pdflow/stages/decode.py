@@ -33,6 +33,10 @@ class _Incoming:
     done: PrefillDone | None = None
     created: float = field(default_factory=time.monotonic)
 
+    @property
+    def route(self):
+        return self.request.route
+
 
 class DecodeStage(Stage):
     kind = "decode"

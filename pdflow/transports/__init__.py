@@ -13,11 +13,9 @@ errors are in ``errors.py``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-from functools import cache
 from typing import Any
 
+from pdflow.registry import Registry
 from pdflow.transports.base import Transport
 from pdflow.transports.errors import (
     ChecksumMismatch,
@@ -49,6 +47,7 @@ __all__ = [
     "create",
     "load",
     "names",
+    "registry",
 ]
 
 ENTRY_POINT_GROUP = "pdflow.transports"
@@ -66,52 +65,10 @@ BUILTIN: dict[str, tuple[str, str]] = {
 }
 
 
-@cache
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def names() -> list[str]:
-    """Every known transport: the built-in ones, then those from entry points."""
-    return [*BUILTIN, *(name for name in _entry_points() if name not in BUILTIN)]
-
-
-@cache
-def _resolve(name: str) -> type[Transport] | str:
-    """The class, or a one-line reason it cannot be used (imports at most once per name)."""
-    if name in BUILTIN:
-        target, hint = BUILTIN[name]
-        module, _, attr = target.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            return f"transport {name!r} is not available ({exc})" + (f": {hint}" if hint else "")
-    elif name in _entry_points():
-        try:
-            cls = _entry_points()[name].load()
-        except Exception as exc:  # a broken plugin must not break the registry
-            return f"transport {name!r} (entry point {_entry_points()[name].value}) failed to load: {exc!r}"
-    else:
-        return f"unknown transport {name!r}; known: {', '.join(names())}"
-    if not (isinstance(cls, type) and issubclass(cls, Transport)):
-        return f"transport {name!r} resolves to {cls!r}, which is not a pdflow Transport"
-    return cls
-
-
-def availability(name: str) -> str | None:
-    """None if transport ``name`` can be used in this environment, else why not (with the hint)."""
-    found = _resolve(name)
-    return found if isinstance(found, str) else None
-
-
-def load(name: str) -> type[Transport]:
-    """The Transport class for ``name``; LookupError if unknown, ImportError if not installed."""
-    found = _resolve(name)
-    if isinstance(found, str):
-        if name not in BUILTIN and name not in _entry_points():
-            raise LookupError(found)
-        raise ImportError(found)
-    return found
+registry = Registry("transport", ENTRY_POINT_GROUP, Transport, BUILTIN)
+names = registry.names  # every known transport: the built-in ones, then those from entry points
+availability = registry.availability  # None if usable here, else why not (with the install hint)
+load = registry.load  # the class; LookupError if unknown, ImportError if not installed
 
 
 def create(name: str, host: str = "127.0.0.1", port: int = 0, **options: Any) -> Transport:
