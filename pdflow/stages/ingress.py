@@ -53,6 +53,7 @@ class _Server(uvicorn.Server):
 
 class IngressStage(Stage):
     kind = "ingress"
+    server: _Server | None = None  # set once setup has started the HTTP server
 
     async def setup(self) -> None:
         from pdflow.serving.http_api import build_app
@@ -186,7 +187,9 @@ class IngressStage(Stage):
     # --- shutting down ----------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        if self.accepting:
+        if self.server is None:  # stopped before it served: nothing to drain
+            self.stopping.set()
+        elif self.accepting:
             self.accepting = False
             self.spawn(self._drain())
 
