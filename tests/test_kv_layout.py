@@ -30,8 +30,8 @@ def test_smollm2_offsets_and_shapes() -> None:
     assert SMOLLM2.offset(n, 0, VALUES) == block
     assert SMOLLM2.offset(n, 1, KEYS) == 2 * block
     assert SMOLLM2.offset(n, 29, VALUES) == 59 * block == SMOLLM2.request_bytes(n) - block
-    assert SMOLLM2.shape(n, KEYS) == (3, 17, 64)  # head-major
-    assert SMOLLM2.shape(n, VALUES) == (17, 3, 64)  # token-major
+    assert SMOLLM2.shape(n, KEYS) == SMOLLM2.shape(n, VALUES) == (17, 3, 64)  # token-major
+    assert SMOLLM2.offset(n, 1, VALUES, token=5) == 3 * block + 5 * 768
 
 
 @pytest.mark.parametrize("n", [1, 7, 128])
@@ -50,8 +50,8 @@ def test_blocks_tile_the_buffer(n: int) -> None:
 
 
 def _fill(layout: KvLayout, n: int, seed: int = 0) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A flat uint8 buffer with every layer's keys (heads, tokens, dim) and values (tokens, heads,
-    dim) written at their offsets, the way prefill sends them; and the originals."""
+    """A flat uint8 buffer with every layer's keys and values (tokens, heads, dim) written at their
+    offsets, the way prefill sends them; and the originals."""
     dtype = torch_dtype(layout.dtype)
     g = torch.Generator().manual_seed(seed)
     buffer = torch.zeros(layout.request_bytes(n), dtype=torch.uint8)
@@ -77,7 +77,7 @@ def test_views_give_back_keys_and_values_head_major(dtype: str) -> None:
         k, v = layout.views(buffer, n, layer)
         assert k.dtype == v.dtype == torch_dtype(dtype)
         assert k.shape == v.shape == (3, n, 64)
-        assert torch.equal(k, keys)
+        assert torch.equal(k, keys.transpose(0, 1))
         assert torch.equal(v, values.transpose(0, 1))
         assert torch.equal(v[:, 4], values[4])  # token 4 of every head
 
@@ -106,7 +106,7 @@ def test_views_of_a_larger_buffer_and_one_token() -> None:
     region = torch.zeros(SMOLLM2.request_bytes(n) + 1000, dtype=torch.uint8)
     region[: filled.numel()] = filled
     k, v = SMOLLM2.views(region, n, 29)
-    assert torch.equal(k, originals[29][0]) and torch.equal(v, originals[29][1].transpose(0, 1))
+    assert torch.equal(k, originals[29][0].transpose(0, 1)) and torch.equal(v, originals[29][1].transpose(0, 1))
 
 
 def test_half_precision_itemsize() -> None:

@@ -1,10 +1,11 @@
 """Where each layer's keys and values sit in one request's KV buffer, and the chunk checksum.
 
-A request's KV buffer holds, for every layer, its keys then its values, each block in the memory
-order the model produces it, so prefill sends straight from the tensors it computed:
-
-- keys   ``(kv_heads, tokens, head_dim)``: rotary embedding writes keys head-major;
-- values ``(tokens, kv_heads, head_dim)``: the value projection writes them token-major.
+A request's KV buffer holds, for every layer, its keys then its values, both token-major
+``(tokens, kv_heads, head_dim)``: the layout of the store's block slots (:mod:`pdflow.kv.arena`),
+so any run of tokens of one layer's keys (or values) is one contiguous span, in a request buffer
+and in a run of consecutive slots alike. The value projection writes values token-major already;
+keys come out of rotary embedding head-major, so prefill transposes them once (a copy far cheaper
+than the layer that computed them) and attention reads them back as a strided view.
 """
 
 from __future__ import annotations
@@ -57,22 +58,25 @@ class KvLayout:
     def request_bytes(self, num_tokens: int) -> int:
         return 2 * self.num_layers * self.block_bytes(num_tokens)
 
-    def offset(self, num_tokens: int, layer: int, kind: int) -> int:
-        return (2 * layer + kind) * self.block_bytes(num_tokens)
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys (or values) in one layer."""
+        return self.num_kv_heads * self.head_dim * self.itemsize
 
-    def shape(self, num_tokens: int, kind: int) -> tuple[int, int, int]:
-        if kind == KEYS:
-            return (self.num_kv_heads, num_tokens, self.head_dim)
+    def offset(self, num_tokens: int, layer: int, kind: int, token: int = 0) -> int:
+        """Where token ``token`` of ``layer``'s keys (or values) sits in a ``num_tokens`` buffer."""
+        return (2 * layer + kind) * self.block_bytes(num_tokens) + token * self.token_bytes
+
+    def shape(self, num_tokens: int, kind: int = KEYS) -> tuple[int, int, int]:
         return (num_tokens, self.num_kv_heads, self.head_dim)
 
     def views(self, buffer: torch.Tensor, num_tokens: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer as ``(kv_heads, tokens, head_dim)`` views into a flat
-        uint8 buffer laid out as above (values are transposed back without a copy)."""
+        uint8 buffer laid out as above (transposed from token-major without a copy)."""
         dtype = torch_dtype(self.dtype)
         size = self.block_bytes(num_tokens)
         out = []
         for kind in (KEYS, VALUES):
             start = self.offset(num_tokens, layer, kind)
-            block = buffer[start : start + size].view(dtype).view(self.shape(num_tokens, kind))
-            out.append(block if kind == KEYS else block.transpose(0, 1))
+            out.append(buffer[start : start + size].view(dtype).view(self.shape(num_tokens)).transpose(0, 1))
         return out[0], out[1]

@@ -1,0 +1,53 @@
+"""Block ids: what names a block of KV, the same way in every process and after every restart.
+
+A block is the KV of ``block_tokens`` consecutive tokens. Its id is a 128-bit xxh3 of its parent
+block's id, its own token ids and a salt of everything that changes its bytes (the model, the KV
+dtype, the block size), so one id always means the same bytes: equal ids at block *i* of two
+prompts mean the prompts agree on every token up to the end of block *i*. Only full blocks get
+ids; a prompt's partial last block is private to its request.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import xxhash
+
+__all__ = ["BlockHasher", "BlockId", "full_blocks"]
+
+BlockId = int  # 128 bits, from xxh3_128
+
+_ROOT = b"\0" * 16  # the parent of a sequence's first block
+
+
+def full_blocks(num_tokens: int, block_tokens: int) -> int:
+    return num_tokens // block_tokens
+
+
+class BlockHasher:
+    """Turns token ids into chained block ids for one model, KV dtype and block size."""
+
+    def __init__(self, model: str, dtype: str, block_tokens: int) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self.salt = f"pdflow-kv-block/1|{model}|{dtype}|{block_tokens}".encode()
+
+    def ids(self, token_ids: list[int], start: int = 0, parent: BlockId | None = None) -> list[BlockId]:
+        """The ids of the full blocks of ``token_ids``, from block ``start`` on; ``parent`` is the
+        id of block ``start - 1`` (computed when not given)."""
+        bt = self.block_tokens
+        if start and parent is None:
+            parent = self.ids(token_ids[:start * bt])[-1]
+        previous = _ROOT if parent is None else parent.to_bytes(16, "little")
+        tokens = array("q", token_ids)
+        out: list[BlockId] = []
+        for block in range(start, len(token_ids) // bt):
+            h = xxhash.xxh3_128()
+            h.update(self.salt)
+            h.update(previous)
+            h.update(tokens[block * bt : (block + 1) * bt].tobytes())
+            digest = h.intdigest()
+            out.append(digest)
+            previous = digest.to_bytes(16, "little")
+        return out

@@ -1,0 +1,432 @@
+"""The KV store: blocks of KV in a preallocated arena, found by content, kept by LRU, pinned by leases.
+
+Usable on its own::
+
+    store = KvStore(KvLayout(30, 3, 64), block_tokens=64, capacity_bytes=1 << 30)
+    ids = BlockHasher("smollm2", "float32", 64).ids(prompt_ids)
+    store.put(ids[:2], keys, values)        # per layer, token-major (tokens, kv_heads, head_dim)
+    hit = store.lookup(ids)                 # 2: the longest cached prefix, in blocks
+    keys, values = store.get(ids[:hit])
+
+and, for a request that reads a prefix and writes the rest in place (what the kv-shuttle and the
+colocated worker do), :meth:`KvStore.lease`: it pins the cached prefix and hands out free slots
+for the blocks still to come; :meth:`KvStore.commit` indexes each one once its bytes are in,
+:meth:`KvStore.release` drops the pins (and frees what was never committed).
+
+Rules:
+
+- a block id names its content (:mod:`pdflow.kv.blocks`), so a stored block is never rewritten;
+  committing an id that is already stored keeps the stored one;
+- nothing pinned (by a lease or :meth:`KvStore.pin`) is evicted or overwritten; a lease has a
+  deadline (:meth:`KvStore.expire` drops the leases of holders that died);
+- eviction is LRU over unpinned blocks without cached children (a child goes before its parent:
+  a block whose parent is gone can never be a prefix hit); above ``high_watermark`` of the slots
+  in use it evicts down to ``low_watermark``, and a full store evicts rather than refuse; only a
+  request that cannot fit even then gets :class:`StoreFull`;
+- every committed block keeps a checksum per layer and kind; a lease verifies the prefix it pins
+  and drops a block that fails (with every block below it), so the request recomputes it.
+
+Not thread-safe: one event loop (or one thread) owns a store.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdflow.kv.arena import ArenaLayout, anonymous_memory
+from pdflow.kv.blocks import BlockId
+from pdflow.kv.checksum import checksum
+from pdflow.kv.layout import KvLayout
+from pdflow.transports.regions import byte_view
+
+__all__ = ["KvStore", "Lease", "StoreFull", "StoreStats"]
+
+
+class StoreFull(RuntimeError):
+    """A request's KV does not fit in the store even with everything unpinned evicted."""
+
+
+@dataclass(slots=True, eq=False)
+class _Block:
+    id: BlockId
+    slot: int
+    parent: _Block | None
+    tick: int
+    checksums: list[int]
+    children: int = 0
+    pins: int = 0
+    detached: bool = False  # dropped from the index while pinned: its slot is freed at the last unpin
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """One holder's pins and slots. ``slots[i]`` holds block ``i`` of ``ids`` (then the extra
+    slots); the first ``hit`` blocks were cached, the rest are the holder's to write."""
+
+    owner: Hashable
+    ids: list[BlockId]
+    hit: int
+    slots: list[int]
+    deadline: float
+    pinned: list[_Block] = field(default_factory=list)
+    private: set[int] = field(default_factory=set)  # slots written by the holder, not (yet) indexed
+
+    @property
+    def new_slots(self) -> list[int]:
+        """The slots after the cached prefix: where the holder writes."""
+        return self.slots[self.hit :]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    blocks_total: int
+    blocks_used: int  # indexed, plus slots leased for writing
+    blocks_cached: int  # indexed
+    bytes_total: int
+    bytes_used: int
+    block_tokens: int
+    lookups: int
+    hits: int  # lookups that found at least one block
+    misses: int
+    hit_blocks: int
+    hit_tokens: int
+    commits: int
+    evictions: int
+    checksum_failures: int
+    leases: int
+    pinned_blocks: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class KvStore:
+    def __init__(
+        self,
+        kv: KvLayout,
+        block_tokens: int,
+        capacity_bytes: int,
+        *,
+        memory: memoryview | None = None,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        lease_ttl_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError(f"need 0 < low_watermark <= high_watermark <= 1, got {low_watermark}, {high_watermark}")
+        self.layout = ArenaLayout.for_capacity(kv, block_tokens, capacity_bytes)
+        if self.layout.num_slots < 1:
+            raise ValueError(f"capacity {capacity_bytes} bytes holds no block of {self.layout.block_bytes} bytes")
+        raw = memory if memory is not None else anonymous_memory(self.layout.nbytes)
+        self.memory = torch.frombuffer(raw, dtype=torch.uint8)  # flat: what transports read and write
+        if self.memory.numel() < self.layout.nbytes:
+            raise ValueError(f"memory of {self.memory.numel()} bytes is smaller than the arena's {self.layout.nbytes}")
+        self._bytes = byte_view(raw)
+        self.blocks = self.layout.view(self.memory)  # (layers, 2, slots, block_tokens, kv_heads, head_dim)
+        self.block_tokens = block_tokens
+        self.high = int(high_watermark * self.layout.num_slots)
+        self.low = int(low_watermark * self.layout.num_slots)
+        self.lease_ttl_s = lease_ttl_s
+        self.clock = clock
+        self._free = list(range(self.layout.num_slots))  # a heap: low slots first, so runs stay long
+        self._index: dict[BlockId, _Block] = {}
+        self._evictable: list[tuple[int, BlockId]] = []  # heap of (tick, id); stale entries skipped
+        self._leases: dict[Hashable, Lease] = {}
+        self._tick = 0
+        self._counts = dict.fromkeys(
+            ("lookups", "hits", "misses", "hit_blocks", "commits", "evictions", "checksum_failures"), 0)
+
+    # --- finding -------------------------------------------------------------------------------
+
+    def lookup(self, ids: Sequence[BlockId]) -> int:
+        """How many leading blocks of ``ids`` are cached (and mark them used)."""
+        hit = self._prefix(ids)
+        self._count_lookup(hit)
+        return hit
+
+    def __contains__(self, block_id: BlockId) -> bool:
+        return block_id in self._index
+
+    def _prefix(self, ids: Sequence[BlockId]) -> int:
+        hit = 0
+        for block_id in ids:
+            block = self._index.get(block_id)
+            if block is None:
+                break
+            self._touch(block)
+            hit += 1
+        return hit
+
+    def _count_lookup(self, hit: int) -> None:
+        self._counts["lookups"] += 1
+        self._counts["hits" if hit else "misses"] += 1
+        self._counts["hit_blocks"] += hit
+
+    # --- leases: a request reading a prefix and writing the rest in place ----------------------
+
+    def lease(self, owner: Hashable, ids: Sequence[BlockId], extra_slots: int = 0, *, verify: bool = True,
+              ttl_s: float | None = None, count: bool = True) -> Lease:
+        """Pin the longest cached prefix of ``ids`` and take a slot for each block after it, plus
+        ``extra_slots`` (e.g. a partial last block), evicting as needed.
+
+        ``verify`` checks the prefix's checksums first: a block that fails is dropped (with the
+        blocks below it) and the hit ends before it. Raises StoreFull when the slots cannot be
+        found (nothing stays pinned then) and ValueError if ``owner`` already holds a lease.
+        ``count``: whether this is a lookup for the hit and miss stats.
+        """
+        if owner in self._leases:
+            raise ValueError(f"{owner!r} already holds a lease")
+        hit = self._prefix(ids)
+        if verify:
+            for i in range(hit):
+                if not self._verify(self._index[ids[i]]):
+                    self._drop(self._index[ids[i]])
+                    hit = i
+                    break
+        if count:
+            self._count_lookup(hit)
+        hit_blocks = [self._index[block_id] for block_id in ids[:hit]]
+        for block in hit_blocks:
+            self._pin(block)
+        try:
+            fresh = self._take(len(ids) - hit + extra_slots)
+        except StoreFull:
+            for block in hit_blocks:
+                self._unpin(block)
+            raise
+        deadline = self.clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
+        lease = Lease(owner, list(ids), hit, [b.slot for b in hit_blocks] + fresh, deadline, hit_blocks, set(fresh))
+        self._leases[owner] = lease
+        return lease
+
+    def get_lease(self, owner: Hashable) -> Lease | None:
+        return self._leases.get(owner)
+
+    def renew(self, owner: Hashable, ttl_s: float | None = None) -> None:
+        lease = self._leases.get(owner)
+        if lease is not None:
+            lease.deadline = self.clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
+
+    def commit(self, lease: Lease, index: int) -> bool:
+        """Index block ``index`` of ``lease`` (its bytes are in ``lease.slots[index]``); the lease
+        keeps it pinned. False when it was not indexed: its parent is gone, or the id is stored
+        already (the stored copy stays; this slot is freed at release)."""
+        slot = lease.slots[index]
+        block_id = lease.ids[index]
+        if slot not in lease.private or block_id in self._index:
+            return False
+        parent = None
+        if index:
+            parent = self._index.get(lease.ids[index - 1])
+            if parent is None:
+                return False
+        block = _Block(block_id, slot, parent, self._next_tick(), self._checksums(slot))
+        self._index[block_id] = block
+        if parent is not None:
+            parent.children += 1
+        lease.private.discard(slot)
+        self._pin(block)
+        lease.pinned.append(block)
+        self._counts["commits"] += 1
+        return True
+
+    def release(self, owner: Hashable) -> bool:
+        """Drop ``owner``'s lease: unpin its blocks, free the slots it never committed."""
+        lease = self._leases.pop(owner, None)
+        if lease is None:
+            return False
+        for block in lease.pinned:
+            self._unpin(block)
+        for slot in lease.private:
+            heapq.heappush(self._free, slot)
+        lease.pinned, lease.private = [], set()
+        return True
+
+    def expire(self) -> list[Hashable]:
+        """Release every lease past its deadline; their owners."""
+        now = self.clock()
+        gone = [owner for owner, lease in self._leases.items() if lease.deadline <= now]
+        for owner in gone:
+            self.release(owner)
+        return gone
+
+    # --- the plain API: whole blocks in and out -------------------------------------------------
+
+    def put(self, ids: Sequence[BlockId], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> int:
+        """Store blocks ``ids`` (a chain: ``ids[0]``'s parent, if any, must be stored) from
+        per-layer keys and values, each ``(len(ids) * block_tokens, kv_heads, head_dim)``.
+        Returns how many were new. Raises StoreFull."""
+        owner = ("put", object())
+        lease = self.lease(owner, ids, verify=False, count=False)
+        try:
+            bt = self.block_tokens
+            for i in range(lease.hit, len(ids)):
+                for layer in range(self.layout.kv.num_layers):
+                    self.blocks[layer, 0, lease.slots[i]] = keys[layer][i * bt : (i + 1) * bt]
+                    self.blocks[layer, 1, lease.slots[i]] = values[layer][i * bt : (i + 1) * bt]
+            return sum(self.commit(lease, i) for i in range(lease.hit, len(ids)))
+        finally:
+            self.release(owner)
+
+    def get(self, ids: Sequence[BlockId]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of blocks ``ids``: per layer, keys and values ``(len(ids) * block_tokens, kv_heads,
+        head_dim)``. KeyError for an id not stored."""
+        slots = [self._index[block_id].slot for block_id in ids]
+        for block_id in ids:
+            self._touch(self._index[block_id])
+        return self.read(slots, len(ids) * self.block_tokens)
+
+    def read(self, slots: Sequence[int], num_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The first ``num_tokens`` tokens held by ``slots``, copied: per layer keys and values."""
+        kv = self.layout.kv
+        index = torch.tensor(list(slots), dtype=torch.long)
+        gathered = self.blocks.index_select(2, index)  # (layers, 2, n, block_tokens, heads, dim)
+        flat = gathered.reshape(kv.num_layers, 2, -1, kv.num_kv_heads, kv.head_dim)[:, :, :num_tokens]
+        return list(flat[:, 0]), list(flat[:, 1])
+
+    def write(self, slots: Sequence[int], first: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Write per-layer keys and values of tokens ``first ..`` (block-aligned, token-major) into
+        ``slots`` (``slots[i]`` holds block ``first // block_tokens + i``)."""
+        bt = self.block_tokens
+        n = keys[0].shape[0]
+        for i, slot in enumerate(slots):
+            a, b = i * bt, min((i + 1) * bt, n)
+            if a >= b:
+                break
+            for layer in range(self.layout.kv.num_layers):
+                self.blocks[layer, 0, slot, : b - a] = keys[layer][a:b]
+                self.blocks[layer, 1, slot, : b - a] = values[layer][a:b]
+
+    def pin(self, ids: Sequence[BlockId]) -> int:
+        """Pin the leading stored blocks of ``ids`` (until :meth:`unpin`); how many were pinned."""
+        n = 0
+        for block_id in ids:
+            block = self._index.get(block_id)
+            if block is None:
+                break
+            self._pin(block)
+            n += 1
+        return n
+
+    def unpin(self, ids: Sequence[BlockId]) -> None:
+        for block_id in ids:
+            block = self._index.get(block_id)
+            if block is not None and block.pins:
+                self._unpin(block)
+
+    def span(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes ``[offset, offset + nbytes)`` of the arena (what a transport sends from)."""
+        return self._bytes[offset : offset + nbytes]
+
+    # --- stats ---------------------------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        total = self.layout.num_slots
+        used = total - len(self._free)
+        c = self._counts
+        return StoreStats(
+            blocks_total=total, blocks_used=used, blocks_cached=len(self._index),
+            bytes_total=total * self.layout.block_bytes, bytes_used=used * self.layout.block_bytes,
+            block_tokens=self.block_tokens, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
+            hit_blocks=c["hit_blocks"], hit_tokens=c["hit_blocks"] * self.block_tokens, commits=c["commits"],
+            evictions=c["evictions"], checksum_failures=c["checksum_failures"], leases=len(self._leases),
+            pinned_blocks=sum(1 for b in self._index.values() if b.pins),
+        )
+
+    # --- inside ----------------------------------------------------------------------------------
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _touch(self, block: _Block) -> None:
+        block.tick = self._next_tick()
+        if self._evictable_now(block):
+            heapq.heappush(self._evictable, (block.tick, block.id))
+
+    @staticmethod
+    def _evictable_now(block: _Block) -> bool:
+        return not block.pins and not block.children and not block.detached
+
+    def _pin(self, block: _Block) -> None:
+        block.pins += 1
+
+    def _unpin(self, block: _Block) -> None:
+        block.pins -= 1
+        if block.pins:
+            return
+        if block.detached:
+            heapq.heappush(self._free, block.slot)
+        elif not block.children:
+            heapq.heappush(self._evictable, (block.tick, block.id))
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` free slots (lowest first), evicting LRU blocks as needed, then down to the low
+        watermark once above the high one."""
+        if n > self.layout.num_slots:
+            raise StoreFull(f"{n} blocks of {self.layout.block_bytes} bytes exceed the whole store "
+                            f"({self.layout.num_slots} blocks)")
+        while len(self._free) < n:
+            if not self._evict_one():
+                raise StoreFull(f"{n} blocks needed, {len(self._free)} free and every other block pinned "
+                                f"by {len(self._leases)} leases")
+        slots = [heapq.heappop(self._free) for _ in range(n)]
+        slots.sort()
+        if self.layout.num_slots - len(self._free) > self.high:
+            while self.layout.num_slots - len(self._free) > self.low and self._evict_one():
+                pass
+        return slots
+
+    def _evict_one(self) -> bool:
+        while self._evictable:
+            tick, block_id = heapq.heappop(self._evictable)
+            block = self._index.get(block_id)
+            if block is None or block.tick != tick or not self._evictable_now(block):
+                continue  # stale entry
+            self._remove(block)
+            heapq.heappush(self._free, block.slot)
+            self._counts["evictions"] += 1
+            return True
+        return False
+
+    def _remove(self, block: _Block) -> None:
+        del self._index[block.id]
+        parent = block.parent
+        if parent is not None:
+            parent.children -= 1
+            if self._evictable_now(parent):
+                heapq.heappush(self._evictable, (parent.tick, parent.id))
+
+    def _drop(self, bad: _Block) -> None:
+        """Take ``bad`` and every block below it out of the index (a corrupt block's children can
+        never be hit); pinned ones are freed at their last unpin."""
+        self._counts["checksum_failures"] += 1
+        doomed = {bad.id}
+        changed = True
+        while changed:  # the descendants: blocks whose parent is doomed
+            changed = False
+            for block in self._index.values():
+                if block.id not in doomed and block.parent is not None and block.parent.id in doomed:
+                    doomed.add(block.id)
+                    changed = True
+        for block_id in doomed:
+            block = self._index[block_id]
+            self._remove(block)
+            if block.pins:
+                block.detached = True
+            else:
+                heapq.heappush(self._free, block.slot)
+
+    def _checksums(self, slot: int) -> list[int]:
+        layout, span = self.layout, self.layout.slot_span
+        return [checksum(self._bytes[o : o + span])
+                for o in (layout.offset(layer, kind, slot) for layer in range(layout.kv.num_layers) for kind in (0, 1))]
+
+    def _verify(self, block: _Block) -> bool:
+        return self._checksums(block.slot) == block.checksums

@@ -1,0 +1,200 @@
+"""pdflow.kv: block ids, the arena's geometry, and the store (prefix lookup, leases, LRU, checksums)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdflow.kv.arena import ArenaLayout, Run, runs
+from pdflow.kv.blocks import BlockHasher
+from pdflow.kv.layout import KEYS, VALUES, KvLayout
+from pdflow.kv.store import KvStore, StoreFull
+
+TINY = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
+BT = 4
+BLOCK_BYTES = 2 * 2 * BT * 2 * 4 * 4  # layers * kinds * tokens * heads * dim * 4 bytes
+
+
+def _store(blocks: int, **kwargs) -> KvStore:
+    return KvStore(TINY, BT, blocks * BLOCK_BYTES, **kwargs)
+
+
+def _kv(num_blocks: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks * BT, TINY.num_kv_heads, TINY.head_dim)
+    return ([torch.randn(shape, generator=g) for _ in range(2)], [torch.randn(shape, generator=g) for _ in range(2)])
+
+
+# --- block ids ------------------------------------------------------------------------------
+
+
+def test_block_ids_are_chained_and_salted() -> None:
+    hasher = BlockHasher("smollm2", "float32", 4)
+    ids = hasher.ids(list(range(10)))
+    assert len(ids) == 2  # the partial third block gets no id
+    assert len(set(ids)) == 2
+    other = hasher.ids([99] + list(range(1, 10)))
+    assert other[0] != ids[0] and other[1] != ids[1], "a change in block 0 must change every later id"
+    same_tail = hasher.ids(list(range(4)) + [4, 5, 6, 7])
+    assert same_tail == ids
+    assert BlockHasher("smollm2", "bfloat16", 4).ids(list(range(8))) != ids
+    assert BlockHasher("other-model", "float32", 4).ids(list(range(8))) != ids
+    assert hasher.ids(list(range(12)), start=1) == hasher.ids(list(range(12)))[1:]
+    assert hasher.ids(list(range(12)), start=2, parent=ids[1]) == hasher.ids(list(range(12)))[2:]
+
+
+def test_block_ids_are_the_same_in_another_process() -> None:
+    code = ("from pdflow.kv.blocks import BlockHasher; "
+            "print(BlockHasher('smollm2', 'float32', 16).ids(list(range(100))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == str(BlockHasher("smollm2", "float32", 16).ids(list(range(100))))
+
+
+# --- the arena ------------------------------------------------------------------------------
+
+
+def test_arena_offsets_tile_the_memory_and_runs_are_contiguous() -> None:
+    arena = ArenaLayout(TINY, BT, num_slots=5)
+    assert arena.nbytes == 5 * BLOCK_BYTES
+    spans = sorted((arena.offset(layer, kind, slot), arena.slot_span)
+                   for layer in range(2) for kind in (KEYS, VALUES) for slot in range(5))
+    end = 0
+    for start, size in spans:
+        assert start == end
+        end += size
+    assert end == arena.nbytes
+    # the keys of layer 1 over slots 2..3 are one span: slot 3 starts where slot 2 ends
+    assert arena.offset(1, KEYS, 3) == arena.offset(1, KEYS, 2) + arena.slot_span
+    assert arena.offset(1, KEYS, 2, token=3) == arena.offset(1, KEYS, 2) + 3 * TINY.token_bytes
+    assert list(runs([4, 5, 6, 9, 1], 8, 8 + 4 * BT + 2, BT)) == [
+        Run(4, 3, 8, 20), Run(9, 1, 20, 24), Run(1, 1, 24, 26)]  # the last block is partial
+    assert list(runs([7, 8], 0, 3, BT)) == [Run(7, 2, 0, 3)]
+
+
+# --- the store ------------------------------------------------------------------------------
+
+
+def test_put_lookup_get_round_trip() -> None:
+    store = _store(8)
+    ids = BlockHasher("m", "float32", BT).ids(list(range(5 * BT)))
+    keys, values = _kv(3, seed=1)
+    assert store.lookup(ids) == 0
+    assert store.put(ids[:3], keys, values) == 3
+    assert store.put(ids[:3], keys, values) == 0  # already stored: kept, not rewritten
+    assert store.lookup(ids) == 3
+    got_keys, got_values = store.get(ids[:3])
+    for layer in range(2):
+        assert torch.equal(got_keys[layer], keys[layer]) and torch.equal(got_values[layer], values[layer])
+    stats = store.stats()
+    assert (stats.lookups, stats.hits, stats.misses, stats.hit_blocks, stats.hit_tokens) == (2, 1, 1, 3, 3 * BT)
+    assert stats.blocks_cached == stats.blocks_used == 3 and stats.leases == 0 and stats.pinned_blocks == 0
+
+
+def test_a_lease_pins_its_prefix_and_commits_what_it_wrote() -> None:
+    store = _store(8)
+    ids = BlockHasher("m", "float32", BT).ids(list(range(4 * BT)))
+    keys, values = _kv(2, seed=2)
+    store.put(ids[:2], keys, values)
+    lease = store.lease("r1", ids, extra_slots=1)
+    assert lease.hit == 2 and len(lease.slots) == 5 and len(lease.new_slots) == 3
+    assert store.stats().pinned_blocks == 2 and store.stats().leases == 1
+    new_keys, new_values = _kv(2, seed=3)
+    store.write(lease.new_slots[:2], 2 * BT, new_keys, new_values)
+    assert store.commit(lease, 2) and store.commit(lease, 3)
+    assert not store.commit(lease, 3)  # already stored
+    assert store.stats().pinned_blocks == 4
+    assert store.release("r1") and not store.release("r1")
+    stats = store.stats()
+    assert stats.pinned_blocks == 0 and stats.leases == 0 and stats.blocks_used == 4  # the extra slot is free
+    keys_all, _ = store.get(ids)
+    assert torch.equal(keys_all[1][2 * BT :], new_keys[1])
+
+
+def test_nothing_leased_is_evicted_and_a_full_store_says_so() -> None:
+    store = _store(4)
+    h = BlockHasher("m", "float32", BT)
+    a = h.ids(list(range(3 * BT)))
+    store.lease("writer", a)  # 3 slots being written
+    with pytest.raises(StoreFull, match="pinned"):
+        store.lease("other", h.ids(list(range(100, 100 + 2 * BT))))
+    assert store.get_lease("other") is None and store.stats().pinned_blocks == 0
+    with pytest.raises(StoreFull, match="exceed the whole store"):
+        store.lease("huge", h.ids(list(range(5 * BT))))
+    store.release("writer")
+    assert store.lease("other", h.ids(list(range(100, 100 + 2 * BT)))).hit == 0
+
+
+def test_lru_evicts_children_before_parents_and_the_least_recent_first() -> None:
+    store = _store(4, high_watermark=1.0, low_watermark=1.0)
+    h = BlockHasher("m", "float32", BT)
+    chain = h.ids(list(range(2 * BT)))  # parent, child
+    other = h.ids(list(range(500, 500 + 2 * BT)))
+    store.put(chain, *_kv(2, 1))
+    store.put(other, *_kv(2, 2))
+    store.lookup(chain)  # chain is now the most recent; other's parent is the least recent block
+    store.put(h.ids(list(range(900, 900 + BT))), *_kv(1, 3))  # one slot: other's child goes, not its parent
+    assert other[0] in store and other[1] not in store and all(i in store for i in chain)
+    store.put(h.ids(list(range(901, 901 + BT))), *_kv(1, 4))  # now other's parent is a leaf, the oldest
+    assert other[0] not in store and all(i in store for i in chain)
+    assert store.stats().evictions == 2
+
+
+def test_watermarks_evict_down_to_the_low_mark() -> None:
+    store = _store(10, high_watermark=0.8, low_watermark=0.5)
+    h = BlockHasher("m", "float32", BT)
+    for i in range(8):
+        store.put(h.ids(list(range(i * 1000, i * 1000 + BT))), *_kv(1, i))
+    assert store.stats().blocks_used == 8
+    store.put(h.ids(list(range(99000, 99000 + BT))), *_kv(1, 99))  # 9 > 8: down to 5
+    assert store.stats().blocks_used == 5 and store.stats().evictions == 4
+
+
+def test_a_lease_of_a_dead_holder_expires() -> None:
+    now = [0.0]
+    store = _store(4, lease_ttl_s=10, clock=lambda: now[0])
+    h = BlockHasher("m", "float32", BT)
+    store.lease("dead", h.ids(list(range(4 * BT))))
+    now[0] = 5
+    store.renew("dead")
+    now[0] = 14
+    assert store.expire() == []
+    now[0] = 15
+    assert store.expire() == ["dead"]
+    assert store.stats().blocks_used == 0 and store.stats().leases == 0
+
+
+def test_a_corrupt_block_is_dropped_with_its_children_and_counted() -> None:
+    store = _store(8)
+    h = BlockHasher("m", "float32", BT)
+    ids = h.ids(list(range(4 * BT)))
+    store.put(ids[:3], *_kv(3, 5))
+    lease = store.lease("reader", ids[:1])  # pins block 0 while block 1 goes bad
+    slot = store._index[ids[1]].slot
+    store.blocks[1, VALUES, slot, 2, 0, 1] += 1.0  # one float of layer 1's values
+    assert store.lookup(ids) == 3  # lookup does not read the bytes
+    second = store.lease("r2", ids)
+    assert second.hit == 1, "the hit must end before the corrupt block"
+    stats = store.stats()
+    assert stats.checksum_failures == 1
+    assert ids[1] not in store and ids[2] not in store and ids[0] in store
+    store.release("reader")
+    store.release("r2")
+    assert store.stats().blocks_used == 1 and store.stats().pinned_blocks == 0
+    assert lease.hit == 1
+
+
+def test_a_corrupt_block_still_pinned_is_freed_at_its_last_unpin() -> None:
+    store = _store(4)
+    ids = BlockHasher("m", "float32", BT).ids(list(range(2 * BT)))
+    store.put(ids, *_kv(2, 6))
+    store.lease("holder", ids)  # pins both
+    store.blocks[0, KEYS, store._index[ids[1]].slot] += 1.0
+    assert store.lease("reader", ids).hit == 1
+    assert ids[1] not in store
+    assert store.stats().blocks_used == 3  # block 0, the detached block 1, the reader's slot for block 1
+    store.release("holder")
+    store.release("reader")
+    assert store.stats().blocks_used == 1  # block 0 stays cached; the detached slot is free
