@@ -14,7 +14,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: generic routes, plug-in message types, the version on every frame
+PROTOCOL_VERSION = 3  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -61,11 +61,33 @@ class PrefillRequest(Message):
 
 
 class KvExpected(Message):
-    """ingress -> kv-shuttle: a request's KV is coming; reserve room for it in the pool."""
+    """ingress -> kv-shuttle: a request's KV is coming: find its cached prefix, lease its blocks."""
 
     request_id: str
-    num_tokens: int
+    prompt_ids: list[int]
     route: Route
+
+
+class KvPlan(Message):
+    """kv-shuttle -> prefill: the first ``cached_tokens`` of the prompt are in the store (their KV
+    comes to the region prefill names in a :class:`PrefixDestination`); write the KV of the rest
+    into ``slots`` of the store's arena (``num_slots`` slots) in ``region`` at ``address``."""
+
+    request_id: str
+    address: str
+    region: int
+    num_slots: int
+    cached_tokens: int
+    slots: list[int]
+
+
+class PrefixDestination(Message):
+    """prefill -> kv-shuttle: write the cached prefix's KV into ``region`` at ``address`` (a
+    request buffer of the prefix's tokens)."""
+
+    request_id: str
+    address: str
+    region: int
 
 
 class DecodeRequest(Message):
@@ -111,9 +133,24 @@ class PrefillDone(Message):
 
 
 class KvReleased(Message):
-    """decode -> kv-shuttle: the request's KV is in decode's cache; free the pool region."""
+    """decode -> kv-shuttle: the request ended at decode; ``output_ids`` are the generated tokens
+    whose KV decode still holds: when they complete blocks the store lacks, the shuttle answers
+    with :class:`KvReturnSlots`, else it drops the request's lease at once."""
 
     request_id: str
+    output_ids: list[int] = []
+
+
+class KvReturnSlots(Message):
+    """kv-shuttle -> decode: write the sequence's KV of tokens ``first_token ..`` into ``slots``
+    (block by block) of the store's arena in ``region`` at ``address``; no slots: nothing wanted."""
+
+    request_id: str
+    address: str
+    region: int
+    num_slots: int
+    first_token: int
+    slots: list[int]
 
 
 class Tokens(Message):
@@ -124,6 +161,7 @@ class Tokens(Message):
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | None
     timeline: dict[str, list[float]] = {}
+    cached_tokens: int = 0  # on the first: prompt tokens whose KV came from the store
 
 
 class TextDelta(Message):
@@ -134,6 +172,7 @@ class TextDelta(Message):
     completion_tokens: int
     finish_reason: str | None = None
     timeline: dict[str, list[float]] = {}
+    cached_tokens: int = 0
 
 
 class RequestFailed(Message):
@@ -185,6 +224,7 @@ class Heartbeat(Message):
     replica: int
     seq: int
     in_flight: int = 0
+    stats: dict[str, int] = {}  # the stage's own counters (kv-shuttle: its store's)
 
 
 class StageFailed(Message):
@@ -219,6 +259,7 @@ class StageStatus(Message):
     pid: int
     in_flight: int
     restarts: int
+    stats: dict[str, int] = {}
 
 
 class ProtocolRefused(Message):
@@ -253,6 +294,9 @@ class KvChunkHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
 ControlMessage = (
     PrefillRequest
     | KvExpected
+    | KvPlan
+    | PrefixDestination
+    | KvReturnSlots
     | DecodeRequest
     | EgressRequest
     | KvDestination

@@ -55,7 +55,7 @@ def _prefilled(loaded, ids, request_id):
     kv = {}
 
     def sink(layer, keys, values):
-        kv[layer] = (keys, values.transpose(0, 1))
+        kv[layer] = (keys.transpose(0, 1), values.transpose(0, 1))
 
     sampler = _greedy()
     result = prefill(loaded, ids, sampler, sink)
@@ -136,7 +136,7 @@ def test_prefill_hands_out_every_layer_in_order_with_the_models_own_kv(engine):
         assert values.shape == layout.shape(len(ids), 1) and values.is_contiguous()
         expected_k = cache.layers[layer].keys[0]
         expected_v = cache.layers[layer].values[0]
-        torch.testing.assert_close(keys, expected_k, rtol=0, atol=1e-5)
+        torch.testing.assert_close(keys.transpose(0, 1), expected_k, rtol=0, atol=1e-5)
         torch.testing.assert_close(values.transpose(0, 1), expected_v, rtol=0, atol=1e-5)
 
 
@@ -178,3 +178,74 @@ def test_sequences_join_and_leave_after_the_buffers_grew_during_a_step(engine):
     batch.add(*seq("c", 300))
     assert [s.request_id for s in batch.sequences] == ["b", "c"]
     assert len(batch.step()) == 2
+
+
+def _kv_of(loaded, ids):
+    """Prefill ``ids``; per layer, its keys and values token-major, and the first token."""
+    keys, values = [None] * loaded.num_layers, [None] * loaded.num_layers
+
+    def sink(layer, k, v):
+        keys[layer], values[layer] = k.clone(), v.clone()
+
+    result = prefill(loaded, ids, _greedy(), sink)
+    return keys, values, result.first_token
+
+
+@pytest.mark.parametrize("cached", [64, 128])
+def test_prefill_after_a_cached_prefix_gives_the_same_kv_and_output(engine, reference, cached):
+    """A prompt prefilled after ``cached`` tokens whose KV comes from elsewhere (the store): the new
+    tokens' KV matches a whole prefill within float tolerance, and greedy decode equals generate()."""
+    loaded, prompts = engine
+    ids, expected = prompts[3], reference[3]
+    keys, values, first = _kv_of(loaded, ids)
+    tail_keys, tail_values = [None] * loaded.num_layers, [None] * loaded.num_layers
+    asked = []
+
+    def past(layer):
+        asked.append(layer)
+        return keys[layer][:cached], values[layer][:cached]
+
+    def sink(layer, k, v):
+        assert k.shape[0] == len(ids) - cached
+        tail_keys[layer], tail_values[layer] = k.clone(), v.clone()
+
+    sampler = _greedy()
+    result = prefill(loaded, ids, sampler, sink, past=past, start=cached)
+    assert asked == list(range(loaded.num_layers))
+    assert result.first_token == first
+    for layer in range(loaded.num_layers):
+        torch.testing.assert_close(tail_keys[layer], keys[layer][cached:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(tail_values[layer], values[layer][cached:], rtol=1e-4, atol=1e-4)
+    full_keys = [torch.cat([keys[i][:cached], tail_keys[i]]) for i in range(loaded.num_layers)]
+    full_values = [torch.cat([values[i][:cached], tail_values[i]]) for i in range(loaded.num_layers)]
+    batch = DecodeBatch(loaded, max_batch=2)
+    seq = Sequence("0", len(ids), result.first_token, sampler)
+    batch.add(seq, lambda layer: (full_keys[layer].transpose(0, 1), full_values[layer].transpose(0, 1)))
+    tokens = [result.first_token]
+    while len(tokens) < len(expected):
+        tokens.append(batch.step()[0][1])
+    assert tokens == expected
+    exported_keys, exported_values = batch.export(seq, cached, len(ids) + 3)
+    assert exported_keys[5].shape == (len(ids) + 3 - cached, 3, 64)
+    torch.testing.assert_close(exported_keys[5][: len(ids) - cached], tail_keys[5], rtol=0, atol=0)
+
+
+def test_chunked_prefill_from_a_cached_prefix_equals_generate(engine, reference):
+    from pdflow.engine.chunked import ChunkedPrefill
+
+    loaded, prompts = engine
+    ids, expected = prompts[3], reference[3]
+    keys, values, _ = _kv_of(loaded, ids)
+    run = ChunkedPrefill(loaded, ids, _greedy(), past=([k[:96] for k in keys], [v[:96] for v in values]))
+    assert run.remaining == len(ids) - 96
+    first = None
+    while first is None:
+        first = run.run(16)
+    batch = DecodeBatch(loaded, max_batch=2)
+    batch.add(Sequence("0", len(ids), first, run.sampler), run.layer_kv)
+    tokens = [first]
+    while len(tokens) < len(expected):
+        tokens.append(batch.step()[0][1])
+    assert tokens == expected
+    tail_keys, _ = run.token_major(96, len(ids))
+    torch.testing.assert_close(tail_keys[7], keys[7][96:], rtol=1e-4, atol=1e-4)

@@ -8,7 +8,8 @@ import pytest
 
 from pdflow.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Cancel, DecodeRequest, EgressRequest, Heartbeat, Hello,
-    KvChunkHeader, KvDestination, KvExpected, KvReleased, PrefillDone, PrefillRequest,
+    KvChunkHeader, KvDestination, KvExpected, KvPlan, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
+    PrefixDestination,
     ProtocolMismatch, ProtocolRefused, Ready, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
     StageStatus, StageUp, StopRequest, TextDelta, Tokens, check_hello, decoder, encoder,
 )
@@ -25,7 +26,10 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
         PrefillRequest("req-1", [1, 2, 3], SamplingParams(), Route()),
         PrefillRequest("req-2", list(range(500)), SAMPLING, ROUTE),
     ],
-    KvExpected: [KvExpected("req-1", 17, ROUTE)],
+    KvExpected: [KvExpected("req-1", [1, 2, 3], ROUTE)],
+    KvPlan: [KvPlan("req-1", "tcp://127.0.0.1:5630", 0, 1456, 128, [2, 3, 4, 9])],
+    PrefixDestination: [PrefixDestination("req-1", "tcp://127.0.0.1:5620", 3)],
+    KvReturnSlots: [KvReturnSlots("req-1", "tcp://127.0.0.1:5630", 0, 1456, 192, [17, 18])],
     DecodeRequest: [
         DecodeRequest("req-1", 17, SamplingParams(temperature=0.0), Route()),
         DecodeRequest("req-2", 4096, SAMPLING, ROUTE),
@@ -39,25 +43,26 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
         PrefillDone("req-1", 42),
         PrefillDone("req-2", 2, finished=True, timeline=TIMELINE),
     ],
-    KvReleased: [KvReleased("req-1")],
+    KvReleased: [KvReleased("req-1"), KvReleased("req-2", [5, 6, 7])],
     Tokens: [
         Tokens("req-1", 0, [42]),
-        Tokens("req-2", 5, [7, 8, 9], finish_reason="length", timeline=TIMELINE),
+        Tokens("req-2", 5, [7, 8, 9], finish_reason="length", timeline=TIMELINE, cached_tokens=64),
     ],
     TextDelta: [
         TextDelta("req-1", "Hello", 1),
-        TextDelta("req-2", " wörld ✓", 9, finish_reason="stop", timeline=TIMELINE),
+        TextDelta("req-2", " wörld ✓", 9, finish_reason="stop", timeline=TIMELINE, cached_tokens=128),
     ],
     RequestFailed: [RequestFailed("req-1", "decode", "out of KV memory")],
     Cancel: [Cancel("req-1"), Cancel("req-2", reason="client disconnected")],
     StopRequest: [StopRequest("req-1")],
     Hello: [Hello(PROTOCOL_VERSION, "kv_shuttle", 1, 4242)],
     Ready: [Ready("decode", 0, 4243, PROTOCOL_VERSION)],
-    Heartbeat: [Heartbeat("prefill", 0, 1), Heartbeat("prefill", 2, 999_999, in_flight=5)],
+    Heartbeat: [Heartbeat("prefill", 0, 1), Heartbeat("prefill", 2, 999_999, in_flight=5, stats={"hits": 3})],
     StageFailed: [StageFailed("decode", 1, "Traceback (most recent call last):\n  ...\nRuntimeError: boom")],
     StageDown: [StageDown("kv_shuttle", 0, "exited with status -9")],
     StageUp: [StageUp("kv_shuttle", 0)],
-    StageStatus: [StageStatus("decode", 0, "restarting", 4244, 3, 2)],
+    StageStatus: [StageStatus("decode", 0, "restarting", 4244, 3, 2),
+                  StageStatus("kv_shuttle", 0, "ready", 4245, 1, 0, {"blocks_used": 7})],
     ProtocolRefused: [ProtocolRefused("decode", 0, "prefill-0 (pid 7) speaks pdflow protocol 1")],
 }
 
@@ -170,7 +175,7 @@ def test_older_and_newer_peers_still_decode() -> None:
     old = decoder().decode(msgspec.msgpack.encode(["Tokens", "req-1", 3, [5, 6]]))
     assert old == Tokens("req-1", 3, [5, 6], finish_reason=None, timeline={})
     # a newer peer appends fields this version does not know: they are ignored
-    new = decoder().decode(msgspec.msgpack.encode(["Heartbeat", "decode", 1, 7, 2, "from the future"]))
+    new = decoder().decode(msgspec.msgpack.encode(["Heartbeat", "decode", 1, 7, 2, {}, "from the future"]))
     assert new == Heartbeat("decode", 1, 7, in_flight=2)
 
 
@@ -182,7 +187,7 @@ def _names(cls: type) -> list[str]:
 
 def test_field_order_is_pinned() -> None:
     assert _names(PrefillRequest) == ["request_id", "prompt_ids", "sampling", "route"]
-    assert _names(Tokens) == ["request_id", "index", "token_ids", "finish_reason", "timeline"]
+    assert _names(Tokens) == ["request_id", "index", "token_ids", "finish_reason", "timeline", "cached_tokens"]
     assert _names(KvChunkHeader) == [
         "request_id", "layer", "kind", "token_start", "token_end", "dtype", "shape",
         "region", "offset", "nbytes", "checksum",

@@ -153,7 +153,9 @@ def test_response_shapes():
     assert r["object"] == "chat.completion" and isinstance(r["created"], int)
     assert r["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hey"},
                              "logprobs": None, "finish_reason": "stop"}]
-    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
+    assert chat_response(rid, "m", "hey", "stop", 500, 2, 448)["usage"]["prompt_tokens_details"] == {"cached_tokens": 448}
 
     first = chat_chunk(rid, "m", 10, None, None, role_first=True)
     assert first["object"] == "chat.completion.chunk" and first["created"] == 10
@@ -168,6 +170,8 @@ def test_response_shapes():
 
     u = usage_chunk(rid, "m", 10, 3, 4, chat=True)
     assert u["choices"] == [] and u["usage"]["total_tokens"] == 7
+    assert usage_chunk(rid, "m", 10, 300, 4, chat=True, cached_tokens=256)["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 256}
     assert u["object"] == "chat.completion.chunk"
     assert usage_chunk("cmpl-1", "m", 10, 3, 4, chat=False)["object"] == "text_completion"
 

@@ -30,12 +30,13 @@ def test_default_file_loads() -> None:
     assert t.stages["prefill"].cores == (0,) and t.stages["decode"].cores == (1,)
     assert t.stages["ingress"].cores == t.stages["kv_shuttle"].cores == t.stages["egress"].cores == ()
     assert [(link.src, link.dst, link.transport) for link in t.links] == [
-        ("prefill", "kv_shuttle", "tcp"), ("kv_shuttle", "decode", "tcp"),
+        ("prefill", "kv_shuttle", "tcp"), ("kv_shuttle", "decode", "tcp"), ("kv_shuttle", "prefill", "tcp"),
+        ("decode", "kv_shuttle", "tcp"),
     ]
     # the file spells out every default: apart from the pinned cores it equals an empty file
     empty = parse_topology("", REPO / "topology.toml")
-    assert (t.model, t.server, t.control, t.limits, t.links) == (
-        empty.model, empty.server, empty.control, empty.limits, empty.links,
+    assert (t.model, t.server, t.control, t.limits, t.links, t.kv) == (
+        empty.model, empty.server, empty.control, empty.limits, empty.links, empty.kv,
     )
     for name in ("ingress", "kv_shuttle", "egress"):
         assert t.stages[name] == empty.stages[name]
@@ -49,7 +50,7 @@ def test_empty_file_gets_all_defaults() -> None:
     assert t.limits == Limits()
     ports = {name: (s.port, s.data_port) for name, s in t.stages.items()}
     assert ports == {
-        "ingress": (5510, None), "prefill": (5520, None), "kv_shuttle": (5530, 5630),
+        "ingress": (5510, None), "prefill": (5520, 5620), "kv_shuttle": (5530, 5630),
         "decode": (5540, 5640), "egress": (5550, None),
     }
     assert all(s.replicas == 1 and s.cores == () and s.device == "cpu" for s in t.stages.values())
@@ -72,7 +73,7 @@ def test_replicas_addresses_and_links() -> None:
     assert t.link("kv_shuttle", "decode").options == {"latency_ms": 2}
     assert t.link("prefill", "kv_shuttle").transport == "tcp"  # the missing link defaults to tcp
     with pytest.raises(ValueError):
-        t.stages["prefill"].data_port_of(0)
+        t.stages["egress"].data_port_of(0)
 
 
 def test_local_model_directory(tmp_path: Path) -> None:
@@ -142,8 +143,17 @@ BAD_FILES = [
      "model.source", 3, "no-such-model does not exist"),
     ("unknown model name", ["[model]", 'source = "zzz"'], "model.source", 2, "unknown model 'zzz'"),
     ("model name typo", ["[model]", 'source = "smollm"'], "model.source", 2, "did you mean 'smollm2'?"),
-    ("data_port on prefill", ["[stages.prefill]", "data_port = 5620"],
-     "stages.prefill.data_port", 2, "only kv_shuttle and decode receive KV data"),
+    ("data_port on egress", ["[stages.egress]", "data_port = 5650"],
+     "stages.egress.data_port", 2, "only prefill, kv_shuttle, decode receive KV data"),
+    ("store size without a unit", ["[kv]", 'store_bytes = "4G"'], "kv.store_bytes", 2, "unknown unit 'G'"),
+    ("block size zero", ["[kv]", "block_tokens = 0"], "kv.block_tokens", 2, ">= 1 and <= 8192, got 0"),
+    ("prefix cache not a bool", ["[kv]", 'prefix_cache = "yes"'], "kv.prefix_cache", 2,
+     "expected true or false"),
+    ("low above high watermark", ["[kv]", "high_watermark = 0.5", "low_watermark = 0.7"], "kv.low_watermark", 3,
+     "<= kv.high_watermark"),
+    ("two transports into kv_shuttle", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'transport = "tcp"',
+                                         "[[links]]", 'src = "decode"', 'dst = "kv_shuttle"', 'transport = "inproc"'],
+     "links[1].transport", 8, "kv_shuttle receives KV on one data port"),
     ("heartbeat timeout <= interval", ["[limits]", "heartbeat_interval_s = 1.0", "heartbeat_timeout_s = 1"],
      "limits.heartbeat_timeout_s", 3, "expected a number > limits.heartbeat_interval_s (1.0)"),
     ("shutdown grace too long", ["[limits]", "shutdown_grace_s = 10"],
@@ -239,3 +249,14 @@ def test_link_emulation_options_are_checked() -> None:
     with pytest.raises(TopologyError, match="bandwidth") as bad:
         parse(*link, 'options = { bandwidth = "fast" }')
     assert bad.value.key == "links[0].options" and bad.value.line == 4
+
+
+def test_kv_table_and_the_return_links_follow_the_prompt_link() -> None:
+    t = parse("[kv]", "prefix_cache = false", "block_tokens = 16", 'store_bytes = "512MiB"',
+              "[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'transport = "shm"')
+    assert (t.kv.prefix_cache, t.kv.block_tokens, t.kv.store_bytes) == (False, 16, 512 << 20)
+    assert (t.kv.high_watermark, t.kv.low_watermark) == (0.95, 0.85)
+    assert t.link("decode", "kv_shuttle").transport == "shm"  # kv_shuttle receives over one transport
+    assert t.link("kv_shuttle", "prefill").transport == "shm"
+    assert t.link("kv_shuttle", "decode").transport == "tcp"
+    assert parse("[kv]", "store_bytes = 1048576").kv.store_bytes == 1 << 20

@@ -80,6 +80,7 @@ def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:
 
 def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
     seen: set[tuple[str, str]] = set()
+    receiving: dict[str, tuple[int, str]] = {}  # stage -> (first link into it, its transport)
     for i, link in enumerate(pipeline.links):
         key = f"links[{i}]"
         for end in (link.src, link.dst):
@@ -95,6 +96,11 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
         if (link.src, link.dst) in seen:
             raise PipelineError(key, f"link {link.src} -> {link.dst} is defined twice")
         seen.add((link.src, link.dst))
+        first, transport = receiving.setdefault(link.dst, (i, link.transport))
+        if transport != link.transport:
+            raise PipelineError(f"{key}.transport", f"{link.dst} receives KV on one data port, over {transport!r} "
+                                f"(links[{first}]); link {link.src} -> {link.dst} must use it too, not "
+                                f"{link.transport!r}")
         if problem := transport_problem(link.transport, cross_process):
             raise PipelineError(f"{key}.transport", f"transport {link.transport!r} is not available: {problem}")
         from pdflow.transports.shaping import check_link_options

@@ -26,12 +26,13 @@ COLOCATED_STAGE_NAMES = ("ingress", "worker", "egress")  # mode "colocated"
 MODES = {"disaggregated": STAGE_NAMES, "colocated": COLOCATED_STAGE_NAMES}
 KV_STREAMING = ("layer", "request")
 DTYPES = ("float32", "bfloat16", "float16")
-LINK_PAIRS = (("prefill", "kv_shuttle"), ("kv_shuttle", "decode"))  # the disaggregated mode's links
+# the disaggregated mode's links: the prompt's KV, a cached prefix to prefill, answers back to the store
+LINK_PAIRS = (("prefill", "kv_shuttle"), ("kv_shuttle", "decode"), ("kv_shuttle", "prefill"), ("decode", "kv_shuttle"))
 DEFAULT_PORTS = {
     "ingress": 5510, "prefill": 5520, "kv_shuttle": 5530, "decode": 5540, "egress": 5550, "worker": 5560,
 }
 PLUGIN_PORTS = 5570  # stages of other kinds without a port: 5570, 5580, ... in pipeline order
-DEFAULT_DATA_PORTS = {"kv_shuttle": 5630, "decode": 5640}  # only the stages that receive KV
+DEFAULT_DATA_PORTS = {"prefill": 5620, "kv_shuttle": 5630, "decode": 5640}  # only the stages that receive KV
 MODE_OUTPUTS = {"colocated": {"egress": {"stop": "worker"}}}  # where a mode rewires built-in outputs
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -108,6 +109,24 @@ class EngineConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KvConfig:
+    """The KV store (in kv-shuttle; the colocated worker keeps its own).
+
+    ``prefix_cache``: reuse the KV of prompt prefixes seen before (and of earlier answers).
+    ``block_tokens``: tokens per block, the unit of reuse, eviction and transfer bookkeeping.
+    ``store_bytes``: the store's arena, allocated once (pages are mapped as they fill).
+    ``high_watermark`` / ``low_watermark``: above this fraction of blocks in use, evict least
+    recently used blocks down to that one.
+    """
+
+    prefix_cache: bool = True
+    block_tokens: int = 64
+    store_bytes: int = 4 << 30
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     """How ingress picks each stage's replica: a policy name (``round_robin``, ``least_loaded``,
     ``power_of_two``, an entry point of ``pdflow.routers``, ``"module:Class"``) or a Router class."""
@@ -171,6 +190,7 @@ class Pipeline:
     links: tuple[LinkConfig, ...] = ()
     engine: EngineConfig = EngineConfig()
     router: RouterConfig = RouterConfig()
+    kv: KvConfig = KvConfig()
     path: Path | None = None  # the topology file it came from (absolute), if any
 
     # --- building in code ----------------------------------------------------------------------
@@ -214,6 +234,10 @@ class Pipeline:
             raise PipelineError(f"stages.{name}", f"no stage named {name!r}")
         stages = {**self.stages, name: dataclasses.replace(self.stages[name], **changes)}
         return dataclasses.replace(self, stages=stages)
+
+    def with_kv(self, **changes: Any) -> Pipeline:
+        """The KV store's settings changed, e.g. ``with_kv(prefix_cache=False)``."""
+        return dataclasses.replace(self, kv=dataclasses.replace(self.kv, **changes))
 
     def with_router(self, policy: str | type, **options: Any) -> Pipeline:
         return dataclasses.replace(self, router=RouterConfig(policy, options))

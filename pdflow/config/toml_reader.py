@@ -118,6 +118,12 @@ class TableReader:
         self._check_range(value, key, "a number", ge, gt, lt, None)
         return float(value)
 
+    def boolean(self, table: dict[str, Any], prefix: str, name: str, default: bool) -> bool:
+        key, value = join(prefix, name), table.get(name, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"expected true or false, got {describe(value)}")
+        return value
+
     def string(
         self, table: dict[str, Any], prefix: str, name: str, default: str,
         *, choices: Collection[str] | None = None, non_empty: bool = False,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pdflow.config.checks import check_pipeline, known_models
+from pdflow.transports.shaping import parse_size
 from pdflow.config.pipeline import (
     DEFAULT_DATA_PORTS,
     DEFAULT_PORTS,
@@ -28,6 +29,7 @@ from pdflow.config.pipeline import (
     STAGE_NAMES,
     ControlConfig,
     EngineConfig,
+    KvConfig,
     Limits,
     LinkConfig,
     ModelConfig,
@@ -65,7 +67,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
     except tomllib.TOMLDecodeError as e:
         raise syntax_error(path, lines, e, text) from None
     r = TableReader(path, lines)
-    r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "router", "stages", "links"))
+    r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "router", "kv", "stages", "links"))
     engine = _engine(r, r.table(raw, "", "engine", ("mode", "kv_streaming", "chunked_prefill_tokens")))
     stages = _stage_tables(r, raw)
     pipeline = Pipeline(
@@ -78,6 +80,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
         links=_links(r, raw.get("links", []), engine.mode),
         engine=engine,
         router=_router(r, r.table(raw, "", "router", ("policy", "options"))),
+        kv=_kv(r, r.table(raw, "", "kv", [f.name for f in fields(KvConfig)])),
     )
     if pipeline.colocated and raw.get("links"):
         raise r.error("links", "a colocated topology has no data-plane links (its worker keeps the KV); "
@@ -142,6 +145,25 @@ def _heartbeat_timeout(r: TableReader, t: dict[str, Any], interval: float) -> fl
     return timeout
 
 
+def _kv(r: TableReader, t: dict[str, Any]) -> KvConfig:
+    d = KvConfig()
+    try:
+        store_bytes = parse_size(t.get("store_bytes", d.store_bytes), "store_bytes")
+    except ValueError as exc:
+        raise r.error("kv.store_bytes", str(exc)) from None
+    high = r.number(t, "kv", "high_watermark", d.high_watermark, gt=0)
+    low = r.number(t, "kv", "low_watermark", d.low_watermark, gt=0)
+    if high > 1:
+        raise r.error("kv.high_watermark", f"expected a fraction <= 1, got {high}")
+    if low > high:
+        raise r.error("kv.low_watermark", f"expected a fraction <= kv.high_watermark ({high}), got {low}")
+    return KvConfig(
+        prefix_cache=r.boolean(t, "kv", "prefix_cache", d.prefix_cache),
+        block_tokens=r.integer(t, "kv", "block_tokens", d.block_tokens, ge=1, le=8192),
+        store_bytes=store_bytes, high_watermark=high, low_watermark=low,
+    )
+
+
 def _engine(r: TableReader, t: dict[str, Any]) -> EngineConfig:
     mode = r.string(t, "engine", "mode", "disaggregated", choices=tuple(MODES))
     streaming = r.string(t, "engine", "kv_streaming", "layer", choices=KV_STREAMING)
@@ -185,7 +207,7 @@ def _stage(r: TableReader, name: str, t: dict[str, Any], mode: str,
                       'a stage of another kind names it, e.g. kind = "mypkg.module:MyStage"')
     if "data_port" in t and builtin and name not in DEFAULT_DATA_PORTS:
         raise r.error(f"{prefix}.data_port",
-                      f"only kv_shuttle and decode receive KV data; remove data_port from [{prefix}]")
+                      f"only {', '.join(DEFAULT_DATA_PORTS)} receive KV data; remove data_port from [{prefix}]")
     config: dict[str, Any] = {
         "replicas": r.integer(t, prefix, "replicas", 1, ge=1),
         "host": r.string(t, prefix, "host", "127.0.0.1", non_empty=True),
@@ -240,7 +262,9 @@ def _cores(r: TableReader, key: str, value: Any) -> tuple[int, ...]:
 
 
 def _links(r: TableReader, value: Any, mode: str) -> tuple[LinkConfig, ...]:
-    """The [[links]] tables; in the disaggregated mode every built-in pair not written is tcp."""
+    """The [[links]] tables. In the disaggregated mode a built-in pair not written is tcp, except
+    the return links (kv_shuttle -> prefill, decode -> kv_shuttle): they default to the link
+    prefill -> kv_shuttle, so one setting moves all KV (and kv_shuttle receives over one transport)."""
     if not isinstance(value, list):
         raise r.error("links", f"expected an array of tables ([[links]]), got {describe(value)}")
     found: dict[tuple[str, str], LinkConfig] = {}
@@ -261,5 +285,10 @@ def _links(r: TableReader, value: Any, mode: str) -> tuple[LinkConfig, ...]:
         found[(src, dst)] = LinkConfig(src, dst, transport, _table(r, t, key, "options"))
     if mode == "disaggregated":
         for pair in LINK_PAIRS:
-            found.setdefault(pair, LinkConfig(*pair))
+            model = found.get(("prefill", "kv_shuttle")) if pair in _RETURN_LINKS else None
+            found.setdefault(pair, LinkConfig(*pair) if model is None else
+                             LinkConfig(*pair, transport=model.transport, options=model.options))
     return tuple(found.values())
+
+
+_RETURN_LINKS = (("kv_shuttle", "prefill"), ("decode", "kv_shuttle"))

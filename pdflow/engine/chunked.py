@@ -1,14 +1,15 @@
 """Prefill a prompt in chunks that keep their KV, for the colocated worker.
 
 The worker interleaves prefill chunks with decode steps (chunked prefill, the strongest
-colocated design), so a prompt's KV must persist between chunks in this process.
+colocated design), so a prompt's KV must persist between chunks in this process. A prompt whose
+first tokens' KV came from the store starts after them, with that KV as its past.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdflow.engine.forward import logits_of_last_token
+from pdflow.engine.forward import causal_mask, logits_of_last_token
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler
 from pdflow.kv.layout import torch_dtype
@@ -32,10 +33,18 @@ class AccumulatingCache:
 class ChunkedPrefill:
     """One prompt's prefill, advanced by :meth:`run` a budget of tokens at a time."""
 
-    def __init__(self, loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler):
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler, past=None):
+        """``past``: per layer, keys and values of the first tokens, token-major ``(tokens,
+        kv_heads, head_dim)`` (from the store); prefill starts after them."""
         self.loaded, self.prompt_ids, self.sampler = loaded, prompt_ids, sampler
         self.position = 0
         self.cache = AccumulatingCache(loaded.num_layers)
+        if past is not None:
+            keys, values = past
+            for layer in range(loaded.num_layers):
+                self.cache.keys[layer] = keys[layer].transpose(0, 1).unsqueeze(0)
+                self.cache.values[layer] = values[layer].transpose(0, 1).unsqueeze(0)
+            self.position = keys[0].shape[0]
 
     @property
     def remaining(self) -> int:
@@ -48,12 +57,7 @@ class ChunkedPrefill:
         device = self.loaded.device
         input_ids = torch.tensor([self.prompt_ids[start:end]], device=device)
         positions = torch.arange(start, end, device=device).unsqueeze(0)
-        mask = None  # the first chunk: plain causal attention
-        if start:
-            visible = torch.arange(end, device=device)[None, :] <= positions[0][:, None]
-            mask = torch.zeros(visible.shape, dtype=torch_dtype(self.loaded.layout.dtype), device=device)
-            mask.masked_fill_(~visible, torch.finfo(mask.dtype).min)
-            mask = mask[None, None]
+        mask = causal_mask(start, end, device, torch_dtype(self.loaded.layout.dtype))
         logits = logits_of_last_token(self.loaded.model, input_ids, positions, mask, self.cache)
         self.position = end
         return self.sampler.sample(logits[0]) if end == len(self.prompt_ids) else None
@@ -61,3 +65,9 @@ class ChunkedPrefill:
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The finished prompt's keys and values of ``layer``, each ``(kv_heads, tokens, head_dim)``."""
         return self.cache.keys[layer][0], self.cache.values[layer][0]
+
+    def token_major(self, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, keys and values of tokens ``start .. end``, token-major (views)."""
+        keys = [k[0, :, start:end].transpose(0, 1) for k in self.cache.keys]
+        values = [v[0, :, start:end].transpose(0, 1) for v in self.cache.values]
+        return keys, values

@@ -130,6 +130,14 @@ class DecodeBatch:
         self.sequences.append(seq)
 
     @torch.inference_mode()
+    def export(self, seq: Sequence, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of ``seq``'s keys and values of tokens ``start .. end``: per layer, token-major."""
+        row = self.sequences.index(seq)
+        keys = [k[row, :, start:end].transpose(0, 1).contiguous() for k in self.keys]
+        values = [v[row, :, start:end].transpose(0, 1).contiguous() for v in self.values]
+        return keys, values
+
+    @torch.inference_mode()
     def remove(self, seq: Sequence) -> None:
         row = self.sequences.index(seq)
         last = len(self.sequences) - 1

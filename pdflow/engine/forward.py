@@ -40,3 +40,16 @@ def logits_of_last_token(
             hidden = hidden[0]
     hidden = inner.norm(hidden[:, -1:, :])
     return model.lm_head(hidden)[:, -1, :].float()
+
+
+def causal_mask(start: int, end: int, device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask for queries at positions ``start .. end`` over keys ``0 .. end`` (a
+    prompt's tail after ``start`` cached tokens), ``(1, 1, end - start, end)``; None when
+    ``start == 0`` (plain causal attention needs none)."""
+    if not start:
+        return None
+    positions = torch.arange(start, end, device=device)
+    visible = torch.arange(end, device=device)[None, :] <= positions[:, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]

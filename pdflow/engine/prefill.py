@@ -1,4 +1,9 @@
-"""Prefill one prompt, handing each layer's keys and values out the moment they exist."""
+"""Prefill one prompt, handing each layer's keys and values out the moment they exist.
+
+With a cached prefix, only the tokens after it are computed; layer *l* takes the prefix's keys and
+values of layer *l* as its past (``past(l)`` may block until they have arrived, so layer 0 computes
+while later layers' prefix is still on the wire).
+"""
 
 from __future__ import annotations
 
@@ -8,26 +13,30 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdflow.engine.forward import logits_of_last_token
+from pdflow.engine.forward import causal_mask, logits_of_last_token
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler
+from pdflow.kv.layout import torch_dtype
 
-# (layer, keys (kv_heads, tokens, head_dim), values (tokens, kv_heads, head_dim)) -> None
+# (layer, keys, values), both token-major (tokens, kv_heads, head_dim) and contiguous -> None
 LayerSink = Callable[[int, torch.Tensor, torch.Tensor], None]
+# layer -> the cached prefix's (keys, values) of that layer, token-major; may block until they are here
+PastSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LayerStreamingCache:
     """A cache that keeps nothing: ``update`` is called by layer *l*'s attention with that layer's
     final keys and values, which go straight to ``sink`` while layer *l* (and *l+1*, ...) go on
-    computing. Tensors are passed in the memory the model wrote them to (no copy): keys as rotary
-    embedding produced them, values as the projection produced them (token-major)."""
+    computing; with ``past``, the layer then attends over the prefix's KV and its own. Values go
+    out in the memory the projection wrote them to (token-major); keys, which rotary embedding
+    writes head-major, are transposed once."""
 
-    def __init__(self, sink: LayerSink):
-        self.sink = sink
+    def __init__(self, sink: LayerSink, past: PastSource | None = None):
+        self.sink, self.past = sink, past
         self.layer_done: list[float] = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_):
-        keys = key_states[0]
+        keys = key_states[0].transpose(0, 1)
         values = value_states[0].transpose(0, 1)
         if not keys.is_contiguous():
             keys = keys.contiguous()
@@ -35,6 +44,10 @@ class LayerStreamingCache:
             values = values.contiguous()
         self.layer_done.append(time.monotonic())
         self.sink(layer_idx, keys, values)
+        if self.past is not None:
+            past_keys, past_values = self.past(layer_idx)
+            key_states = torch.cat([past_keys.transpose(0, 1).unsqueeze(0), key_states], dim=2)
+            value_states = torch.cat([past_values.transpose(0, 1).unsqueeze(0), value_states], dim=2)
         return key_states, value_states
 
 
@@ -46,13 +59,16 @@ class PrefillResult:
     finished: float = 0.0
 
 
-def prefill(loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler, sink: LayerSink) -> PrefillResult:
-    """Run the prompt through the model (blocking; call it from a worker thread)."""
+def prefill(loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler, sink: LayerSink,
+            past: PastSource | None = None, start: int = 0) -> PrefillResult:
+    """Run the prompt (after its first ``start`` tokens, whose KV ``past`` gives) through the
+    model (blocking; call it from a worker thread). ``sink`` gets the KV of tokens ``start ..``."""
     started = time.monotonic()
     device = loaded.device
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    position_ids = torch.arange(len(prompt_ids), device=device).unsqueeze(0)
-    cache = LayerStreamingCache(sink)
-    logits = logits_of_last_token(loaded.model, input_ids, position_ids, None, cache)
+    input_ids = torch.tensor([prompt_ids[start:]], dtype=torch.long, device=device)
+    position_ids = torch.arange(start, len(prompt_ids), device=device).unsqueeze(0)
+    mask = causal_mask(start, len(prompt_ids), device, torch_dtype(loaded.layout.dtype))
+    cache = LayerStreamingCache(sink, past if start else None)
+    logits = logits_of_last_token(loaded.model, input_ids, position_ids, mask, cache)
     token = sampler.sample(logits[0])
     return PrefillResult(token, cache.layer_done, started, time.monotonic())

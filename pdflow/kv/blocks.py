@@ -33,6 +33,12 @@ class BlockHasher:
         self.block_tokens = block_tokens
         self.salt = f"pdflow-kv-block/1|{model}|{dtype}|{block_tokens}".encode()
 
+    @classmethod
+    def for_pipeline(cls, pipeline) -> "BlockHasher":
+        """The hasher of a :class:`~pdflow.config.pipeline.Pipeline`'s model, KV dtype and blocks."""
+        model = pipeline.model
+        return cls(str(model.path) if model.is_path else model.source, model.dtype, pipeline.kv.block_tokens)
+
     def ids(self, token_ids: list[int], start: int = 0, parent: BlockId | None = None) -> list[BlockId]:
         """The ids of the full blocks of ``token_ids``, from block ``start`` on; ``parent`` is the
         id of block ``start - 1`` (computed when not given)."""
@@ -51,3 +57,15 @@ class BlockHasher:
             out.append(digest)
             previous = digest.to_bytes(16, "little")
         return out
+
+
+def reusable_blocks(hit: int, num_tokens: int, block_tokens: int) -> int:
+    """Of ``hit`` cached leading blocks, how many a prompt of ``num_tokens`` can take: prefill must
+    still compute its last token (that token's logits give the first output token)."""
+    return min(hit, (num_tokens - 1) // block_tokens)
+
+
+def answer_blocks(prompt_len: int, cached_len: int, block_tokens: int) -> range:
+    """The blocks a finished sequence of ``cached_len`` tokens with KV adds after its prompt's
+    full blocks (the prompt's partial last block becomes one of them once the answer fills it)."""
+    return range(prompt_len // block_tokens, cached_len // block_tokens)

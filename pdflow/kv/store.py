@@ -171,18 +171,21 @@ class KvStore:
     # --- leases: a request reading a prefix and writing the rest in place ----------------------
 
     def lease(self, owner: Hashable, ids: Sequence[BlockId], extra_slots: int = 0, *, verify: bool = True,
-              ttl_s: float | None = None, count: bool = True) -> Lease:
+              ttl_s: float | None = None, count: bool = True, write: bool = True,
+              max_hit: int | None = None) -> Lease:
         """Pin the longest cached prefix of ``ids`` and take a slot for each block after it, plus
         ``extra_slots`` (e.g. a partial last block), evicting as needed.
 
         ``verify`` checks the prefix's checksums first: a block that fails is dropped (with the
         blocks below it) and the hit ends before it. Raises StoreFull when the slots cannot be
         found (nothing stays pinned then) and ValueError if ``owner`` already holds a lease.
-        ``count``: whether this is a lookup for the hit and miss stats.
+        ``count``: whether this is a lookup for the hit and miss stats. ``write=False``: a reader
+        only, no slots taken (``slots`` is the hit's). ``max_hit``: at most this many blocks hit (the
+        rest get slots to be written, e.g. a last block whose token must be computed anyway).
         """
         if owner in self._leases:
             raise ValueError(f"{owner!r} already holds a lease")
-        hit = self._prefix(ids)
+        hit = self._prefix(ids if max_hit is None else ids[:max_hit])
         if verify:
             for i in range(hit):
                 if not self._verify(self._index[ids[i]]):
@@ -195,7 +198,7 @@ class KvStore:
         for block in hit_blocks:
             self._pin(block)
         try:
-            fresh = self._take(len(ids) - hit + extra_slots)
+            fresh = self._take(len(ids) - hit + extra_slots) if write else []
         except StoreFull:
             for block in hit_blocks:
                 self._unpin(block)

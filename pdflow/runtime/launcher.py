@@ -53,6 +53,7 @@ class _Replica:
     restarts: int = 0
     restart_at: float | None = None
     in_flight: int = 0
+    stats: dict = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -140,6 +141,7 @@ class Launcher:
         rep.last_seen = time.monotonic()
         if isinstance(message, Heartbeat):
             rep.in_flight = message.in_flight
+            rep.stats = message.stats
         elif isinstance(message, ProtocolRefused):
             self.fatal = f"{self._name(rep)} refused a peer: {message.error}"
             log.error("launcher.protocol_mismatch", stage=self._name(rep), error=message.error)
@@ -214,7 +216,8 @@ class Launcher:
     async def _publish_status(self) -> None:
         for rep in self.replicas.values():
             pid = rep.process.pid if rep.process else 0
-            status = StageStatus(rep.stage, rep.replica, self._state(rep), pid, rep.in_flight, rep.restarts)
+            status = StageStatus(rep.stage, rep.replica, self._state(rep), pid, rep.in_flight, rep.restarts,
+                                 rep.stats)
             await self.pub.send(self._encode(status))
 
     @staticmethod

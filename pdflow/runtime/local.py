@@ -45,6 +45,7 @@ class LocalPipeline:
         self.stages: dict[tuple[str, int], Stage] = {}
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
         self._in_flight: dict[tuple[str, int], int] = {}
+        self._stats: dict[tuple[str, int], dict] = {}
         self._supervisor: asyncio.Task | None = None
 
     @property
@@ -91,6 +92,7 @@ class LocalPipeline:
                 ready.add((message.stage, message.replica))
             elif isinstance(message, Heartbeat):
                 self._in_flight[(message.stage, message.replica)] = message.in_flight
+                self._stats[(message.stage, message.replica)] = message.stats
 
     async def _supervise(self) -> None:
         reported: set[tuple[str, int]] = set()
@@ -100,6 +102,8 @@ class LocalPipeline:
                 message = await asyncio.wait_for(self.hub.recv_launcher(), max(0.0, next_status - time.monotonic()))
                 if isinstance(message, Heartbeat):
                     self._in_flight[(message.stage, message.replica)] = message.in_flight
+                    self._stats[(message.stage, message.replica)] = message.stats
+                self._stats[(message.stage, message.replica)] = message.stats
             except asyncio.TimeoutError:
                 pass
             for key, task in self._tasks.items():
@@ -115,7 +119,8 @@ class LocalPipeline:
     def _publish_status(self, down: set[tuple[str, int]] = frozenset()) -> None:
         for key in self.stages:
             state = "restarting" if key in down else "ready"
-            self.hub.publish(StageStatus(key[0], key[1], state, os.getpid(), self._in_flight.get(key, 0), 0))
+            self.hub.publish(StageStatus(key[0], key[1], state, os.getpid(), self._in_flight.get(key, 0), 0,
+                                         self._stats.get(key, {})))
 
     async def stop(self) -> None:
         """Ingress first (it drains in-flight requests), then the rest."""

@@ -129,6 +129,10 @@ class Stage:
     def in_flight(self) -> int:
         return len(self.requests)
 
+    def stats(self) -> dict[str, int]:
+        """Counters this stage reports with each heartbeat (shown by ``/health``)."""
+        return {}
+
     def on_cancel(self, request_id: str, state: Any, reason: str) -> Awaitable[None] | None:
         """Free what ``state`` holds; the request is already out of the table."""
         return None
@@ -213,6 +217,8 @@ class Stage:
         for task in loops:
             task.cancel()
         await self.teardown()
+        for task in list(self._tasks):  # the stage's own loops and tasks end with it
+            task.cancel()
         self.bus.close()
         if self.crashed is not None:
             raise RuntimeError("an essential loop of the stage ended") from self.crashed
@@ -273,7 +279,7 @@ class Stage:
     async def _heartbeat_loop(self) -> None:
         seq = 0
         while True:
-            await self.bus.send_launcher(Heartbeat(self.ctx.stage, self.replica, seq, self.in_flight()))
+            await self.bus.send_launcher(Heartbeat(self.ctx.stage, self.replica, seq, self.in_flight(), self.stats()))
             self.requests.expire()
             seq += 1
             await asyncio.sleep(self.limits.heartbeat_interval_s)

@@ -1,8 +1,12 @@
 """decode: receives each request's KV into memory it registered, then decodes it in a running batch.
 
 Requests join and leave the batch between steps (continuous batching). A request joins once
-all its layers have landed and prefill has said which token comes first. Each step runs in a
-worker thread; its tokens go to egress.
+every token of every layer has landed (the cached prefix from the store, the rest from prefill
+through kv-shuttle) and prefill has said which token comes first. Each step runs in a worker
+thread; its tokens go to egress. When a request ends, kv-shuttle hears which tokens decode
+generated (:class:`KvReleased`); if they complete blocks the store lacks, it names slots for
+them (:class:`KvReturnSlots`) and decode writes that KV back, so the next turn of a chat finds
+its history, answers included, in the store.
 """
 
 from __future__ import annotations
@@ -17,8 +21,21 @@ import torch
 from pdflow import transports
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.stopping import after_decode_step
-from pdflow.messages import DecodeRequest, KvDestination, KvReleased, PrefillDone, StopRequest, Tokens
+from pdflow.kv.arena import ArenaLayout
+from pdflow.kv.blocks import answer_blocks
+from pdflow.kv.chunks import into_slots, tokens_of_run
+from pdflow.messages import (
+    DecodeRequest,
+    KvDestination,
+    KvReleased,
+    KvReturnSlots,
+    PrefillDone,
+    StopRequest,
+    Tokens,
+)
 from pdflow.runtime.stage import Stage, Submission
+
+_ANSWER_WAIT_S = 30.0  # how long a finished request waits for kv-shuttle's KvReturnSlots
 
 
 @dataclass(slots=True, eq=False)
@@ -28,10 +45,11 @@ class _Incoming:
     request: DecodeRequest
     buffer: torch.Tensor | None
     region: int
-    chunks_left: int
+    tokens_left: int  # of every layer's keys and values
     layer_in: list[float]
     done: PrefillDone | None = None
     created: float = field(default_factory=time.monotonic)
+    answer: tuple[int, asyncio.Future] | None = None  # (first token, its KV from the batch) once finished
 
     @property
     def route(self):
@@ -56,6 +74,9 @@ class DecodeStage(Stage):
             link.transport, host=cfg.host, port=cfg.data_port_of(self.replica), **link.options
         )
         await self.from_shuttle.start()
+        back = topo.link(self.ctx.stage, self.output("destination"))
+        self.to_shuttle = transports.create(back.transport, host=cfg.host, **back.options)
+        self.block_tokens = topo.kv.block_tokens if topo.kv.prefix_cache else 0
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="decode-step")
         self.by_region: dict[int, _Incoming] = {}  # KV still landing
@@ -69,12 +90,14 @@ class DecodeStage(Stage):
 
     async def teardown(self) -> None:
         await self.from_shuttle.aclose()
+        await self.to_shuttle.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def handlers(self):
         return {
             DecodeRequest: self.on_request,
             PrefillDone: self.on_prefill_done,
+            KvReturnSlots: self.on_return_slots,
             StopRequest: lambda m: self.cancel(m.request_id, "stop string matched"),
         }
 
@@ -86,7 +109,8 @@ class DecodeStage(Stage):
         region = self._next_region
         self._next_region += 1
         buffer = torch.frombuffer(self.from_shuttle.allocate(region, nbytes), dtype=torch.uint8)
-        entry = _Incoming(message, buffer, region, 2 * layout.num_layers, [0.0] * layout.num_layers)
+        entry = _Incoming(message, buffer, region, 2 * layout.num_layers * message.prompt_len,
+                          [0.0] * layout.num_layers)
         self.requests.open(message.request_id, entry)
         self.by_region[region] = entry
         destination = KvDestination(message.request_id, self.from_shuttle.address_for(region), region, nbytes)
@@ -110,31 +134,38 @@ class DecodeStage(Stage):
                 error = f"KV chunk lost on its way to decode: {notice.error!r}"
                 await self.fail(entry.request.request_id, error, entry.request.route)
                 continue
-            entry.chunks_left -= 1
+            entry.tokens_left -= tokens_of_run(notice.header)
             layer = notice.header.layer
             entry.layer_in[layer] = max(entry.layer_in[layer], notice.received_at)
             self._maybe_complete(entry)
 
     def _maybe_complete(self, entry: _Incoming) -> None:
-        if entry.chunks_left or entry.done is None:
+        if entry.tokens_left > 0 or entry.done is None:
             return
         self._release(entry)
         if entry.done.finished:
-            self.finish(entry.request.request_id)
+            self._end(entry)
         else:
             self.waiting.append(entry)
             self.wake.set()
 
     def _release(self, entry: _Incoming) -> None:
-        """The KV is all here (or lost): stop receiving into it, let the shuttle free its copy."""
-        if self.by_region.pop(entry.region, None) is None:
-            return
-        self.from_shuttle.unregister(entry.region)
+        """The KV is all here (or lost): stop receiving into it."""
+        if self.by_region.pop(entry.region, None) is not None:
+            self.from_shuttle.unregister(entry.region)
+
+    def _end(self, entry: _Incoming, output_ids: list[int] | None = None) -> None:
+        """The request is over here: kv-shuttle hears it (with the tokens whose KV decode can give
+        back, if any) and may drop its leases."""
         rid = entry.request.request_id
-        self.spawn(self.send_output("destination", entry.request.route, KvReleased(rid)))
+        self.spawn(self.send_output("destination", entry.request.route, KvReleased(rid, output_ids or [])))
+        if entry.answer is None:
+            self.finish(rid)
 
     def on_cancel(self, request_id: str, entry: _Incoming, reason: str) -> None:
         self._release(entry)
+        if entry.answer is None:
+            self.spawn(self.send_output("destination", entry.request.route, KvReleased(request_id)))
         if entry in self.waiting:
             self.waiting.remove(entry)
         if request_id in self.running:
@@ -153,12 +184,15 @@ class DecodeStage(Stage):
             seq = Sequence(entry.request.request_id, n, entry.done.first_token, Sampler(entry.request.sampling))
             self.batch.add(seq, lambda layer: layout.views(buffer, n, layer))
             entry.buffer = buffer = None  # the batch holds the KV now: free the receive buffer
-            seq.extra = {"entry": entry, "joined": time.monotonic(), "steps": []}
+            seq.extra = {"entry": entry, "joined": time.monotonic(), "steps": [], "tokens": [entry.done.first_token]}
             admitted.append(seq)
         return admitted
 
     def _step(self, admit: list[_Incoming], remove: list[Sequence]) -> tuple[list[Sequence], list]:
         for seq in remove:
+            if "answer" in seq.extra:  # its KV goes back to the store: copy it before the row goes
+                start, end = seq.extra["answer"]
+                seq.extra["answer_kv"] = self.batch.export(seq, start, end)
             self.batch.remove(seq)
         admitted = self._admit(admit)
         return admitted, self.batch.step()
@@ -174,6 +208,11 @@ class DecodeStage(Stage):
             remove = [self.running.pop(rid) for rid in self.to_remove if rid in self.running]
             self.to_remove.clear()
             admitted, results = await loop.run_in_executor(self.executor, self._step, admit, remove)
+            for seq in remove:
+                if "answer_kv" in seq.extra:
+                    future = seq.extra["entry"].answer[1]
+                    if not future.done():
+                        future.set_result(seq.extra.pop("answer_kv"))
             for seq in admitted:
                 self.running[seq.request_id] = seq
                 if seq.request_id not in self.requests:  # cancelled while it joined
@@ -187,10 +226,11 @@ class DecodeStage(Stage):
                 continue
             reason = after_decode_step(seq, token, self.model, now)
             entry: _Incoming = seq.extra["entry"]
+            seq.extra["tokens"].append(token)
             timeline = {}
             if reason is not None:
                 self.to_remove.add(seq.request_id)
-                self.finish(seq.request_id)
+                self._finished(seq, entry)
                 timeline = dict(entry.done.timeline)
                 timeline["decode.layer_in"] = entry.layer_in
                 timeline["decode.joined"] = [seq.extra["joined"]]
@@ -198,3 +238,48 @@ class DecodeStage(Stage):
                 timeline["decode.end"] = [now]
             message = Tokens(seq.request_id, seq.generated - 1, [token], reason, timeline)
             await self.send_output("tokens", entry.request.route, message)
+
+    # --- the answer's KV back into the store ------------------------------------------------------
+
+    def _finished(self, seq: Sequence, entry: _Incoming) -> None:
+        """``seq`` generated its last token: offer kv-shuttle the KV of its answer."""
+        output_ids = seq.extra["tokens"][:-1]  # the last token was never fed back: it has no KV
+        n = entry.request.prompt_len
+        blocks = answer_blocks(n, n + len(output_ids), self.block_tokens) if self.block_tokens else range(0)
+        if not blocks:
+            self._end(entry)
+            return
+        bt = self.block_tokens
+        seq.extra["answer"] = (blocks.start * bt, blocks.stop * bt)
+        entry.answer = (blocks.start * bt, asyncio.get_running_loop().create_future())
+        self._end(entry, output_ids)
+        self.spawn(self._answer_deadline(entry))
+
+    async def _answer_deadline(self, entry: _Incoming) -> None:
+        await asyncio.sleep(_ANSWER_WAIT_S)
+        if self.requests.get(entry.request.request_id) is entry:
+            self.log.warning("answer.unclaimed", request_id=entry.request.request_id)
+            self.finish(entry.request.request_id)
+
+    async def on_return_slots(self, message: KvReturnSlots) -> None:
+        rid = message.request_id
+        entry: _Incoming = self.requests.get(rid)
+        if entry.answer is None:
+            return
+        start, exported = entry.answer
+        try:
+            if message.slots:
+                keys, values = await asyncio.wait_for(asyncio.shield(exported), _ANSWER_WAIT_S)
+                arena = ArenaLayout(self.model.layout, self.block_tokens, message.num_slots)
+                count = len(message.slots) * self.block_tokens
+                first = message.first_token - start
+                for layer in range(self.model.layout.num_layers):
+                    k = keys[layer][first : first + count].cpu()
+                    v = values[layer][first : first + count].cpu()
+                    for header, data in into_slots(rid, arena, message.region, layer, k, v, message.slots,
+                                                   message.first_token):
+                        await self.to_shuttle.write(message.address, header, data)
+        except (transports.TransportError, asyncio.TimeoutError) as exc:
+            self.log.warning("answer.not_stored", request_id=rid, error=repr(exc))
+        finally:
+            self.finish(rid)

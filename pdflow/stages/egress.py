@@ -25,6 +25,7 @@ class _Stream:
     matcher: StopStringMatcher
     next_index: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # from the first Tokens: prompt tokens whose KV came from the store
     pending: dict[int, Tokens] = field(default_factory=dict)
 
     @property
@@ -64,6 +65,7 @@ class EgressStage(Stage):
     async def _emit(self, stream: _Stream, tokens: Tokens) -> None:
         request = stream.request
         stream.completion_tokens += len(tokens.token_ids)
+        stream.cached_tokens = max(stream.cached_tokens, tokens.cached_tokens)
         text, stopped = stream.matcher.feed(stream.detokenizer.add(tokens.token_ids))
         reason = tokens.finish_reason
         if stopped:
@@ -76,5 +78,6 @@ class EgressStage(Stage):
             return
         if reason is not None:
             self.finish(request.request_id)
-        delta = TextDelta(request.request_id, text, stream.completion_tokens, reason, tokens.timeline)
+        delta = TextDelta(request.request_id, text, stream.completion_tokens, reason, tokens.timeline,
+                          stream.cached_tokens)
         await self.send_output("text", request.route, delta)

@@ -181,7 +181,7 @@ class IngressStage(Stage):
         self.reported[(message.stage, message.replica)] = message.in_flight
         self.stage_status[f"{stage.display_name}-{message.replica}"] = {
             "state": message.state, "pid": message.pid, "in_flight": message.in_flight,
-            "restarts": message.restarts,
+            "restarts": message.restarts, **({"stats": message.stats} if message.stats else {}),
         }
 
     # --- shutting down ----------------------------------------------------------------------

@@ -1,8 +1,19 @@
-"""kv-shuttle: owns the CPU-memory KV pool and moves each request's KV from prefill to decode.
+"""kv-shuttle: the KV store, and the stage that moves each request's KV through it.
 
-For every request it reserves a region of the pool and gives prefill its address; each chunk
-that lands is forwarded at once to the region decode registered (cut-through, layer by layer).
-The region is freed when decode confirms it holds the KV (or the request is cancelled).
+Its store (:class:`~pdflow.kv.store.KvStore`) is one arena of blocks, registered with the data
+plane once (region 0), so chunks land straight in their slots. For each request:
+
+1. ``KvExpected`` (ingress): the prompt's block ids; a lease pins the longest cached prefix
+   (checksums verified) and takes slots for the rest; prefill hears what to skip and where to
+   write (``KvPlan``);
+2. ``PrefixDestination`` (prefill) and ``KvDestination`` (decode): the cached prefix streams to
+   both, layer by layer;
+3. each chunk prefill writes is forwarded to decode the moment it lands (cut-through), and every
+   full block is committed to the store once all its layers are in;
+4. ``KvReleased`` (decode, at the request's end): the answer's KV that completes new blocks comes
+   back (``KvReturnSlots``, then decode's chunks), is committed, and the leases are dropped.
+
+A cancel, a failure or a lease deadline (a holder that died) drops the leases too.
 """
 
 from __future__ import annotations
@@ -11,28 +22,49 @@ import asyncio
 from dataclasses import dataclass, field
 
 import msgspec
-import torch
 from transformers import AutoConfig
 
 from pdflow import transports
+from pdflow.kv.arena import ArenaLayout
+from pdflow.kv.blocks import BlockHasher, answer_blocks, reusable_blocks
+from pdflow.kv.chunks import from_slots
 from pdflow.kv.layout import KvLayout
-from pdflow.messages import KvChunkHeader, KvDestination, KvExpected, KvReleased
+from pdflow.kv.store import KvStore, Lease, StoreFull
+from pdflow.messages import (
+    KvChunkHeader,
+    KvDestination,
+    KvExpected,
+    KvPlan,
+    KvReleased,
+    KvReturnSlots,
+    PrefixDestination,
+)
 from pdflow.runtime.stage import Stage, Submission
 
-POOL_BYTES = 8 << 30  # the pool's budget; a request beyond it is refused
+ARENA = 0  # the region the arena is registered as
+_EXPIRY_INTERVAL_S = 1.0
+_ANSWER_TTL_S = 60.0  # how long decode gets to write an answer's blocks
 
 
 @dataclass(slots=True, eq=False)
 class _Entry:
     request: KvExpected
-    buffer: torch.Tensor
-    region: int
-    decode_destination: asyncio.Future  # where decode wants the KV (it may say so before we know the request)
-    forwards: set = field(default_factory=set)
+    lease: Lease
+    cached: int  # prompt tokens whose KV came from the store
+    decode_destination: asyncio.Future  # where decode wants the prompt's KV
+    landed: list[int]  # per block after the prefix: layer spans (keys or values) landed from prefill
+    next_commit: int
+    answer: Lease | None = None
+    answer_landed: list[int] = field(default_factory=list)
+    tasks: set = field(default_factory=set)
 
     @property
     def route(self):
         return self.request.route
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids)
 
 
 class KvShuttleStage(Stage):
@@ -43,54 +75,196 @@ class KvShuttleStage(Stage):
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> KvExpected:
-        return KvExpected(submission.request_id, len(submission.prompt_ids), submission.route)
+        return KvExpected(submission.request_id, submission.prompt_ids, submission.route)
 
     async def setup(self) -> None:
         topo, cfg = self.pipeline, self.config
         config = await asyncio.to_thread(AutoConfig.from_pretrained, self.ctx.model_dir)
-        self.layout = KvLayout.from_config(config, topo.model.dtype)
+        self.kv = KvLayout.from_config(config, topo.model.dtype)
         inbound = topo.link(self.output("destination"), self.ctx.stage)
-        self.from_prefill = transports.create(
+        self.inbound = transports.create(
             inbound.transport, host=cfg.host, port=cfg.data_port_of(self.replica), **inbound.options
         )
-        await self.from_prefill.start()
+        settings = topo.kv
+        size = ArenaLayout.for_capacity(self.kv, settings.block_tokens, settings.store_bytes).nbytes
+        memory = self.inbound.allocate(ARENA, size)  # with shm: a shared segment
+        self.store = KvStore(self.kv, settings.block_tokens, settings.store_bytes, memory=memory,
+                             high_watermark=settings.high_watermark, low_watermark=settings.low_watermark,
+                             lease_ttl_s=self.limits.request_timeout_s)
+        self.arena, self.memory = self.store.layout, self.store.span(0, self.store.layout.nbytes)
+        self.hasher = BlockHasher.for_pipeline(topo)
+        self.reuse = settings.prefix_cache
+        await self.inbound.start()
+        self.address = self.inbound.address_for(ARENA)
         outbound = topo.link(self.ctx.stage, self.output("kv"))
         self.to_decode = transports.create(outbound.transport, host=cfg.host, **outbound.options)
-        self.by_region: dict[int, _Entry] = {}
-        self.pool_used = 0
-        self._next_region = 0
+        back = topo.link(self.ctx.stage, self.output("destination"))
+        self.to_prefill = transports.create(back.transport, host=cfg.host, **back.options)
         self.spawn(self._notice_loop(), essential=True)
+        self.spawn(self._expiry_loop(), essential=True)
+        self.log.info("store.ready", blocks=self.arena.num_slots, block_tokens=self.arena.block_tokens,
+                      bytes=self.arena.nbytes, prefix_cache=self.reuse)
 
     async def teardown(self) -> None:
-        await self.from_prefill.aclose()
+        await self.inbound.aclose()
         await self.to_decode.aclose()
+        await self.to_prefill.aclose()
 
     def handlers(self):
-        return {KvExpected: self.on_expected, KvDestination: self.on_decode_destination, KvReleased: self.on_released}
+        return {
+            KvExpected: self.on_expected, PrefixDestination: self.on_prefix_destination,
+            KvDestination: self.on_decode_destination, KvReleased: self.on_released,
+        }
+
+    def stats(self) -> dict[str, int]:
+        return self.store.stats().as_dict()
+
+    # --- a request arrives: lease its blocks, tell prefill what to compute --------------------
 
     async def on_expected(self, message: KvExpected) -> None:
-        nbytes = self.layout.request_bytes(message.num_tokens)
-        if self.pool_used + nbytes > POOL_BYTES:
-            await self.fail(message.request_id, f"KV pool full ({self.pool_used} of {POOL_BYTES} bytes in use)",
-                            message.route)
+        rid, n, bt = message.request_id, len(message.prompt_ids), self.arena.block_tokens
+        ids = self.hasher.ids(message.prompt_ids) if self.reuse else []
+        total = -(-n // bt)
+        try:
+            lease = self.store.lease(rid, ids, total - len(ids), verify=True, count=self.reuse,
+                                     max_hit=reusable_blocks(len(ids), n, bt))
+        except StoreFull as exc:
+            await self.fail(rid, f"the KV store cannot hold this request's {n} tokens: {exc}", message.route)
             return
-        region = self._next_region
-        self._next_region += 1
-        buffer = torch.frombuffer(self.from_prefill.allocate(region, nbytes), dtype=torch.uint8)
+        usable = lease.hit
+        cached = usable * bt
         future = asyncio.get_running_loop().create_future()
-        entry = self.requests.open(message.request_id, _Entry(message, buffer, region, future))
-        self.by_region[region] = entry
-        self.pool_used += nbytes
-        destination = KvDestination(message.request_id, self.from_prefill.address_for(region), region, nbytes)
-        await self.send_output("destination", message.route, destination)
+        entry = _Entry(message, lease, cached, future, [0] * (total - usable), usable)
+        self.requests.open(rid, entry)
+        plan = KvPlan(rid, self.address, ARENA, self.arena.num_slots, cached, lease.slots[usable:])
+        await self.send_output("destination", message.route, plan)
+
+    def on_prefix_destination(self, message: PrefixDestination) -> None:
+        entry: _Entry = self.requests.get(message.request_id)
+        self._spawn_for(entry, self._send_prefix(entry, self.to_prefill, message.address, message.region,
+                                                 entry.cached, "prefill"))
 
     def on_decode_destination(self, message: KvDestination) -> None:
-        future = self.requests.get(message.request_id).decode_destination
-        if not future.done():
-            future.set_result(message)
+        entry: _Entry = self.requests.get(message.request_id)
+        if not entry.decode_destination.done():
+            entry.decode_destination.set_result(message)
+        if entry.cached:
+            self._spawn_for(entry, self._send_prefix(entry, self.to_decode, message.address, message.region,
+                                                     entry.num_tokens, "decode"))
 
-    def on_released(self, message: KvReleased) -> None:
-        entry = self.finish(message.request_id)
+    # --- moving bytes -------------------------------------------------------------------------
+
+    def _spawn_for(self, entry: _Entry, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        entry.tasks.add(task)
+        task.add_done_callback(entry.tasks.discard)
+
+    async def _send_prefix(self, entry: _Entry, transport, address: str, region: int, buffer_tokens: int,
+                           to: str) -> None:
+        """The cached prefix, layer by layer, into a request buffer of ``buffer_tokens`` tokens."""
+        rid = entry.request.request_id
+        slots = entry.lease.slots[: entry.cached // self.arena.block_tokens]
+        try:
+            for layer in range(self.kv.num_layers):
+                for header, data in from_slots(rid, self.arena, self.memory, layer, slots, entry.cached,
+                                               buffer_tokens, region):
+                    await transport.write(address, header, data)
+        except asyncio.CancelledError:
+            pass
+        except transports.TransportError as exc:
+            if rid in self.requests:
+                await self.fail(rid, f"sending the cached prefix to {to} failed: {exc!r}")
+
+    async def _forward(self, entry: _Entry, header: KvChunkHeader) -> None:
+        """A chunk prefill wrote into the arena, on to decode's buffer of the prompt."""
+        rid = entry.request.request_id
+        try:
+            destination = await asyncio.wait_for(asyncio.shield(entry.decode_destination), self.limits.request_timeout_s)
+            data = self.memory[header.offset : header.offset + header.nbytes]
+            offset = self.kv.offset(entry.num_tokens, header.layer, header.kind, header.token_start)
+            await self.to_decode.write(destination.address,
+                                       msgspec.structs.replace(header, region=destination.region, offset=offset), data)
+        except asyncio.CancelledError:
+            pass
+        except (transports.TransportError, asyncio.TimeoutError) as exc:
+            if rid in self.requests:
+                await self.fail(rid, f"KV transfer to decode failed: {exc!r}")
+
+    async def _notice_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                notice = await self.inbound.next_notice()
+            except transports.TransportClosed:
+                return
+            header = notice.header
+            entry = self.requests.get(header.request_id)
+            if entry is None:
+                continue  # ended meanwhile
+            if notice.error is not None:
+                await self.fail(header.request_id, f"KV chunk lost on its way into the store: {notice.error!r}")
+                continue
+            self.store.renew(header.request_id)
+            if entry.answer is not None:
+                self._answer_landed(entry, header)
+            else:
+                self._spawn_for(entry, self._forward(entry, header))
+                self._prompt_landed(entry, header)
+
+    def _blocks_of(self, header: KvChunkHeader, first_block: int) -> range:
+        bt = self.arena.block_tokens
+        return range(header.token_start // bt - first_block, -(-header.token_end // bt) - first_block)
+
+    def _prompt_landed(self, entry: _Entry, header: KvChunkHeader) -> None:
+        """Count the chunk's blocks; commit each full block once all its layers are in, in order."""
+        usable = entry.cached // self.arena.block_tokens
+        for i in self._blocks_of(header, usable):
+            if 0 <= i < len(entry.landed):
+                entry.landed[i] += 1
+        full = entry.num_tokens // self.arena.block_tokens
+        spans = 2 * self.kv.num_layers
+        while (self.reuse and entry.next_commit < min(full, len(entry.lease.ids))
+               and entry.landed[entry.next_commit - usable] == spans):
+            self.store.commit(entry.lease, entry.next_commit)
+            entry.next_commit += 1
+
+    # --- the request ends: its answer into the store, leases dropped -------------------------
+
+    async def on_released(self, message: KvReleased) -> None:
+        rid = message.request_id
+        entry: _Entry = self.requests.get(rid)
+        bt, n = self.arena.block_tokens, entry.num_tokens
+        blocks = answer_blocks(n, n + len(message.output_ids), bt)
+        if not (self.reuse and message.output_ids and blocks):
+            self._end(rid)
+            return
+        ids = self.hasher.ids(entry.request.prompt_ids + message.output_ids)[: blocks.stop]
+        try:
+            answer = self.store.lease((rid, "answer"), ids, verify=False, count=False, ttl_s=_ANSWER_TTL_S)
+        except StoreFull:
+            answer = self.store.lease((rid, "answer"), [], verify=False, count=False)  # no room: keep none
+        if answer.hit < blocks.start:  # the prompt's blocks are not all stored: the answer's cannot hang there
+            self.store.release((rid, "answer"))
+            answer = self.store.lease((rid, "answer"), [], verify=False, count=False)
+        entry.answer = answer
+        first = answer.hit if answer.ids else blocks.stop
+        entry.answer_landed = [0] * (blocks.stop - first)
+        reply = KvReturnSlots(rid, self.address, ARENA, self.arena.num_slots, first * bt, answer.new_slots)
+        await self.send_output("kv", entry.route, reply)
+        if not answer.new_slots:
+            self._end(rid)
+
+    def _answer_landed(self, entry: _Entry, header: KvChunkHeader) -> None:
+        answer = entry.answer
+        for i in self._blocks_of(header, answer.hit):
+            if 0 <= i < len(entry.answer_landed):
+                entry.answer_landed[i] += 1
+        if all(count == 2 * self.kv.num_layers for count in entry.answer_landed):
+            for i in range(answer.hit, len(answer.ids)):
+                self.store.commit(answer, i)
+            self._end(entry.request.request_id)
+
+    def _end(self, request_id: str) -> None:
+        entry = self.finish(request_id)
         if entry is not None:
             self._free(entry)
 
@@ -98,37 +272,17 @@ class KvShuttleStage(Stage):
         self._free(entry)
 
     def _free(self, entry: _Entry) -> None:
-        self.by_region.pop(entry.region, None)
-        self.from_prefill.unregister(entry.region)
-        entry.decode_destination.cancel()
-        for task in entry.forwards:
-            task.cancel()
-        self.pool_used -= entry.buffer.numel()
-
-    async def _notice_loop(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                notice = await self.from_prefill.next_notice()
-            except transports.TransportClosed:
-                return
-            entry = self.by_region.get(notice.header.region)
-            if entry is None:
-                continue  # cancelled meanwhile
-            if notice.error is not None:
-                await self.fail(entry.request.request_id, f"KV chunk from prefill lost: {notice.error!r}")
-                continue
-            task = asyncio.ensure_future(self._forward(entry, notice.header))
-            entry.forwards.add(task)
-            task.add_done_callback(entry.forwards.discard)
-
-    async def _forward(self, entry: _Entry, header: KvChunkHeader) -> None:
         rid = entry.request.request_id
-        try:
-            destination = await asyncio.wait_for(asyncio.shield(entry.decode_destination), self.limits.request_timeout_s)
-            data = transports.byte_view(entry.buffer[header.offset : header.offset + header.nbytes])
-            await self.to_decode.write(destination.address, msgspec.structs.replace(header, region=destination.region), data)
-        except asyncio.CancelledError:
-            pass
-        except (transports.TransportError, asyncio.TimeoutError) as exc:
-            if rid in self.requests:
-                await self.fail(rid, f"KV transfer to decode failed: {exc!r}")
+        self.store.release(rid)
+        self.store.release((rid, "answer"))
+        entry.decode_destination.cancel()
+        for task in entry.tasks:
+            task.cancel()
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_EXPIRY_INTERVAL_S)
+            for owner in self.store.expire():
+                rid = owner[0] if isinstance(owner, tuple) else owner
+                self.log.warning("store.lease_expired", request_id=rid)
+                self._end(rid)

@@ -1,33 +1,57 @@
 """prefill: runs each prompt through the model and streams every layer's KV the moment it exists.
 
-The forward pass runs in a worker thread; each layer's keys and values are queued to the event
-loop, which writes them into the kv-shuttle's pool over the data plane while the next layers
-compute. The first token goes to output ``tokens`` (egress); output ``done`` (decode) learns it
-from :class:`PrefillDone` — unless the request ended here meanwhile (cancelled), then nothing
-more is sent for it.
+kv-shuttle's :class:`KvPlan` says how much of the prompt the store holds already: that prefix's
+KV comes to a buffer prefill registers (layer by layer: layer *l* computes as soon as its own
+prefix is in) and only the rest is computed. The forward pass runs in a worker thread; each
+layer's new keys and values are queued to the event loop, which writes them straight into their
+blocks in the store's arena over the data plane while the next layers compute. The first token
+goes to output ``tokens`` (egress); output ``done`` (decode) learns it from :class:`PrefillDone`
+— unless the request ended here meanwhile (cancelled), then nothing more is sent for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from pdflow import transports
 from pdflow.engine import Sampler, load_model, prefill
 from pdflow.engine.stopping import finish_reason
-from pdflow.kv.layout import KEYS, VALUES, checksum
-from pdflow.messages import KvChunkHeader, KvDestination, PrefillDone, PrefillRequest, Tokens
+from pdflow.kv.arena import ArenaLayout
+from pdflow.kv.chunks import into_slots, tokens_of_run
+from pdflow.kv.layout import torch_dtype
+from pdflow.messages import KvPlan, PrefillDone, PrefillRequest, PrefixDestination, Tokens
 from pdflow.runtime.stage import Stage, Submission
+
+
+class PrefixUnavailable(RuntimeError):
+    """The cached prefix's KV did not arrive (the request was cancelled, or it timed out)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Prefix:
+    """A cached prefix landing here: a buffer of ``tokens`` tokens, and which layers are complete."""
+
+    region: int
+    buffer: torch.Tensor
+    tokens: int
+    left: list[int]  # per layer: tokens (keys and values counted apart) still to land
+    ready: list[threading.Event]
+    error: str | None = None
 
 
 @dataclass(slots=True, eq=False)
 class _Job:
     request: PrefillRequest
-    destination: asyncio.Future  # the KvDestination kv-shuttle names
+    plan: asyncio.Future  # the KvPlan kv-shuttle sends
     cancelled: bool = False
     send_start: float | None = None  # when its first KV write began
+    prefix: _Prefix | None = None
 
     @property
     def route(self):
@@ -36,9 +60,10 @@ class _Job:
 
 class PrefillStage(Stage):
     kind = "prefill"
-    # kv: the stage whose pool the KV is written into (over the data-plane link to it)
+    # kv: the stage whose store the KV is written into (over the data-plane link to it)
     outputs = {"tokens": "egress", "done": "decode", "kv": "kv_shuttle"}
     opens = (PrefillRequest,)
+    receives_kv = True  # cached prefixes
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> PrefillRequest:
@@ -49,29 +74,42 @@ class PrefillStage(Stage):
         self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device)
         link = topo.link(self.ctx.stage, self.output("kv"))
         self.to_shuttle = transports.create(link.transport, host=cfg.host, **link.options)
+        inbound = topo.link(self.output("kv"), self.ctx.stage)
+        self.from_shuttle = transports.create(
+            inbound.transport, host=cfg.host, port=cfg.data_port_of(self.replica), **inbound.options
+        )
+        await self.from_shuttle.start()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-forward")
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self.by_region: dict[int, _Job] = {}
+        self._next_region = 0
         self.spawn(self._worker(), essential=True)
+        self.spawn(self._notice_loop(), essential=True)
 
     async def teardown(self) -> None:
         await self.to_shuttle.aclose()
+        await self.from_shuttle.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def handlers(self):
-        return {PrefillRequest: self.on_request, KvDestination: self.on_destination}
+        return {PrefillRequest: self.on_request, KvPlan: self.on_plan}
 
     def on_request(self, message: PrefillRequest) -> None:
         job = _Job(message, asyncio.get_running_loop().create_future())
         self.queue.put_nowait(self.requests.open(message.request_id, job))
 
-    def on_destination(self, message: KvDestination) -> None:
+    def on_plan(self, message: KvPlan) -> None:
         job: _Job = self.requests.get(message.request_id)
-        if not job.destination.done():
-            job.destination.set_result(message)
+        if not job.plan.done():
+            job.plan.set_result(message)
 
     def on_cancel(self, request_id: str, job: _Job, reason: str) -> None:
         job.cancelled = True
-        job.destination.cancel()
+        job.plan.cancel()
+        if job.prefix is not None:  # a forward thread waiting for it gives up (the buffer goes after it)
+            job.prefix.error = job.prefix.error or "the request was cancelled"
+            for event in job.prefix.ready:
+                event.set()
 
     async def _worker(self) -> None:
         while True:
@@ -80,25 +118,105 @@ class PrefillStage(Stage):
                 continue
             try:
                 await self._prefill(job)
+            except PrefixUnavailable as exc:
+                if not job.cancelled:
+                    await self.fail(job.request.request_id, f"prefill failed: {exc}", job.route)
             except Exception as exc:
                 self.log.exception("prefill.failed", request_id=job.request.request_id)
                 await self.fail(job.request.request_id, f"prefill failed: {exc}", job.route)
             finally:
+                self._drop_prefix(job)
                 self.finish(job.request.request_id)
+
+    # --- the cached prefix, arriving -----------------------------------------------------------
+
+    async def _receive_prefix(self, job: _Job, plan: KvPlan) -> _Prefix:
+        layout = self.model.layout
+        region = self._next_region
+        self._next_region += 1
+        n = plan.cached_tokens
+        buffer = torch.frombuffer(self.from_shuttle.allocate(region, layout.request_bytes(n)), dtype=torch.uint8)
+        prefix = _Prefix(region, buffer, n, [2 * n] * layout.num_layers,
+                         [threading.Event() for _ in range(layout.num_layers)])
+        job.prefix = prefix
+        self.by_region[region] = job
+        address = self.from_shuttle.address_for(region)
+        await self.send_output("kv", job.route, PrefixDestination(job.request.request_id, address, region))
+        return prefix
+
+    async def _notice_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                notice = await self.from_shuttle.next_notice()
+            except transports.TransportClosed:
+                return
+            job = self.by_region.get(notice.header.region)
+            if job is None or job.prefix is None:
+                continue
+            prefix, layer = job.prefix, notice.header.layer
+            if notice.error is not None:
+                prefix.error = f"a chunk of the cached prefix was lost: {notice.error!r}"
+                for event in prefix.ready:
+                    event.set()
+                continue
+            prefix.left[layer] -= tokens_of_run(notice.header)
+            if prefix.left[layer] <= 0:
+                prefix.ready[layer].set()
+
+    def _past(self, job: _Job, prefix: _Prefix):
+        """What the forward thread calls for layer *l*'s prefix: waits until it is here."""
+        layout, dtype = self.model.layout, torch_dtype(self.model.layout.dtype)
+        timeout = self.limits.request_timeout_s
+
+        def past(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if not prefix.ready[layer].wait(timeout):
+                raise PrefixUnavailable(f"layer {layer} of the cached prefix did not arrive within {timeout} s")
+            if prefix.error is not None or job.cancelled:
+                raise PrefixUnavailable(prefix.error or "the request was cancelled")
+            out = []
+            for kind in (0, 1):
+                start = layout.offset(prefix.tokens, layer, kind)
+                raw = prefix.buffer[start : start + layout.block_bytes(prefix.tokens)]
+                out.append(raw.view(dtype).view(layout.shape(prefix.tokens)).to(self.model.device))
+            return out[0], out[1]
+
+        return past
+
+    def _drop_prefix(self, job: _Job) -> None:
+        """Stop receiving into the prefix's buffer (once no forward thread reads it)."""
+        prefix = job.prefix
+        if prefix is None:
+            return
+        job.prefix = None
+        self.by_region.pop(prefix.region, None)
+        self.from_shuttle.unregister(prefix.region)
+
+    # --- computing and sending ----------------------------------------------------------------
 
     async def _prefill(self, job: _Job) -> None:
         request = job.request
         loop = asyncio.get_running_loop()
+        timeout = self.limits.request_timeout_s
+        try:
+            plan: KvPlan = await asyncio.wait_for(asyncio.shield(job.plan), timeout)
+        except asyncio.CancelledError:
+            return  # cancelled
+        except asyncio.TimeoutError:
+            raise PrefixUnavailable(f"kv-shuttle gave no plan within {timeout} s") from None
+        past = None
+        if plan.cached_tokens:
+            past = self._past(job, await self._receive_prefix(job, plan))
         layers: asyncio.Queue = asyncio.Queue()
 
         def sink(layer, keys, values) -> None:  # on the forward thread
             loop.call_soon_threadsafe(layers.put_nowait, (layer, keys, values))
 
         computed = asyncio.Event()
-        sender = asyncio.ensure_future(self._send_layers(job, layers, computed))
+        sender = asyncio.ensure_future(self._send_layers(job, plan, layers, computed))
         sampler = Sampler(request.sampling)
         try:
-            result = await loop.run_in_executor(self.executor, prefill, self.model, request.prompt_ids, sampler, sink)
+            result = await loop.run_in_executor(self.executor, prefill, self.model, request.prompt_ids, sampler,
+                                                sink, past, plan.cached_tokens)
         except BaseException:
             sender.cancel()
             raise
@@ -112,24 +230,26 @@ class PrefillStage(Stage):
         compute = {"prefill.start": [result.started], "prefill.layer_done": result.layer_done,
                    "prefill.end": [result.finished]}
         # a request that ends here gets its (prefill-only) timeline with its only token
-        first = Tokens(request.request_id, 0, [token], reason, compute if reason is not None else {})
+        first = Tokens(request.request_id, 0, [token], reason, compute if reason is not None else {},
+                       plan.cached_tokens)
         await self.send_output("tokens", request.route, first)
-        self.log.info("prefill.done", request_id=request.request_id, tokens=n, seconds=round(result.finished - result.started, 4))
+        self.log.info("prefill.done", request_id=request.request_id, tokens=n, cached=plan.cached_tokens,
+                      seconds=round(result.finished - result.started, 4))
         sent = await sender
         if sent is None or job.cancelled:
             return  # cancelled, or failed and reported
         timeline = {**compute, "prefill.send_start": [job.send_start or result.started], "prefill.layer_sent": sent}
         await self.send_output("done", request.route, PrefillDone(request.request_id, token, reason is not None, timeline))
 
-    async def _send_layers(self, job: _Job, layers: asyncio.Queue, computed: asyncio.Event) -> list[float] | None:
-        """Write each layer's keys and values into the shuttle's region as they come (with
-        ``kv_streaming = "request"``: only once the whole prefill is computed)."""
-        request = job.request
-        rid, n = request.request_id, len(request.prompt_ids)
+    async def _send_layers(self, job: _Job, plan: KvPlan, layers: asyncio.Queue,
+                           computed: asyncio.Event) -> list[float] | None:
+        """Write each layer's new keys and values into their blocks in the store's arena as they
+        come (with ``kv_streaming = "request"``: only once the whole prefill is computed)."""
+        rid = job.request.request_id
         layout = self.model.layout
+        arena = ArenaLayout(layout, self.pipeline.kv.block_tokens, plan.num_slots)
         sent: list[float] = []
         try:
-            destination = await asyncio.wait_for(asyncio.shield(job.destination), self.limits.request_timeout_s)
             if self.pipeline.engine.kv_streaming == "request":
                 await computed.wait()
             job.send_start = time.monotonic()
@@ -137,18 +257,16 @@ class PrefillStage(Stage):
                 layer, keys, values = await layers.get()
                 if job.cancelled:
                     return None
-                for kind, tensor in ((KEYS, keys), (VALUES, values)):
-                    data = transports.byte_view(tensor if tensor.device.type == "cpu" else tensor.cpu())
-                    header = KvChunkHeader(
-                        rid, layer, kind, 0, n, layout.dtype, tuple(tensor.shape),
-                        destination.region, layout.offset(n, layer, kind), len(data), checksum(data),
-                    )
-                    await self.to_shuttle.write(destination.address, header, data)
+                if keys.device.type != "cpu":
+                    keys, values = keys.cpu(), values.cpu()
+                for header, data in into_slots(rid, arena, plan.region, layer, keys, values, plan.slots,
+                                               plan.cached_tokens):
+                    await self.to_shuttle.write(plan.address, header, data)
                 sent.append(time.monotonic())
             return sent
         except asyncio.CancelledError:
             return None
-        except (transports.TransportError, asyncio.TimeoutError) as exc:
+        except transports.TransportError as exc:
             self.log.error("kv.send.failed", request_id=rid, error=repr(exc))
-            await self.fail(rid, f"KV transfer to kv-shuttle failed: {exc!r}", request.route)
+            await self.fail(rid, f"KV transfer to kv-shuttle failed: {exc!r}", job.route)
             return None

@@ -8,6 +8,9 @@ Each iteration does prefill work, then one decode step for the running batch:
 - ``chunked_prefill_tokens = N``: at most N prompt tokens of prefill per iteration, so a step
   waits for one chunk at most (chunks run as their own forward pass, then the decode step).
 
+With ``kv.prefix_cache`` (the default) it keeps its own store (:mod:`pdflow.kv.local_cache`):
+a prompt starts after its longest cached prefix, and its blocks, then its answer's, are kept.
+
 Disaggregation is measured against this by changing only the topology file.
 """
 
@@ -21,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.chunked import ChunkedPrefill
 from pdflow.engine.stopping import after_decode_step, finish_reason
+from pdflow.kv.blocks import BlockHasher, answer_blocks
+from pdflow.kv.local_cache import LocalPrefixCache
 from pdflow.messages import PrefillRequest, StopRequest, Tokens
 from pdflow.runtime.stage import Stage, Submission
 
@@ -38,6 +43,11 @@ class WorkerStage(Stage):
         topo, cfg = self.topology, self.ctx.config
         self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device)
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
+        kv = topo.kv
+        self.cache = None
+        if kv.prefix_cache:
+            self.cache = LocalPrefixCache(self.model.layout, BlockHasher.for_pipeline(topo), kv.store_bytes,
+                                          high_watermark=kv.high_watermark, low_watermark=kv.low_watermark)
         self.chunk = topo.engine.chunked_prefill_tokens
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
         self.waiting: deque[tuple[PrefillRequest, float]] = deque()
@@ -52,6 +62,9 @@ class WorkerStage(Stage):
 
     def handlers(self):
         return {PrefillRequest: self.on_request, StopRequest: lambda m: self.cancel(m.request_id, "stop string matched")}
+
+    def stats(self) -> dict[str, int]:
+        return self.cache.stats() if self.cache is not None else {}
 
     def on_request(self, message: PrefillRequest) -> None:
         self.requests.open(message.request_id, message)
@@ -76,8 +89,11 @@ class WorkerStage(Stage):
                 if request.request_id in self.gone:
                     self.gone.discard(request.request_id)
                     continue
-                run = ChunkedPrefill(self.model, request.prompt_ids, Sampler(request.sampling))
-                self.prefilling = (request, run, {"worker.queued": [queued], "prefill.start": [time.monotonic()]})
+                started = time.monotonic()
+                cached, past = self.cache.prefix(request.request_id, request.prompt_ids) if self.cache else (0, None)
+                run = ChunkedPrefill(self.model, request.prompt_ids, Sampler(request.sampling), past)
+                self.prefilling = (request, run, {"worker.queued": [queued], "prefill.start": [started],
+                                                  "cached": cached})
             request, run, timeline = self.prefilling
             before = run.remaining
             token = run.run(budget or run.remaining)
@@ -85,12 +101,33 @@ class WorkerStage(Stage):
                 budget -= before - run.remaining
             if token is not None:
                 timeline["prefill.end"] = [time.monotonic()]
+                self._keep_prompt(request, run, timeline["cached"])
                 done.append((request, token, run, timeline))
                 self.prefilling = None
         return done
 
+    def _keep_prompt(self, request: PrefillRequest, run: ChunkedPrefill, cached: int) -> None:
+        if self.cache is None:
+            return
+        bt = self.cache.block_tokens
+        end = len(request.prompt_ids) // bt * bt
+        if end > cached:
+            self.cache.keep(request.prompt_ids, cached // bt, *run.token_major(cached, end))
+
+    def _keep_answer(self, seq: Sequence) -> None:
+        """Before ``seq`` leaves the batch: its answer's full blocks into the store."""
+        request: PrefillRequest = seq.extra["request"]
+        output_ids = seq.extra["tokens"][:-1]  # the last token was never fed back: it has no KV
+        n, bt = len(request.prompt_ids), self.cache.block_tokens
+        blocks = answer_blocks(n, n + len(output_ids), bt)
+        if blocks:
+            keys, values = self.batch.export(seq, blocks.start * bt, blocks.stop * bt)
+            self.cache.keep(request.prompt_ids + output_ids, blocks.start, keys, values)
+
     def _iterate(self, remove: list[Sequence]):
         for seq in remove:
+            if self.cache is not None and seq.extra.get("finished"):
+                self._keep_answer(seq)
             self.batch.remove(seq)
         finished_prefills = self._prefill_work()
         joined = []
@@ -100,7 +137,7 @@ class WorkerStage(Stage):
                                    self.model.max_context)
             if reason is None and request.request_id not in self.gone:
                 seq = Sequence(request.request_id, n, token, run.sampler)
-                seq.extra = {"request": request, "timeline": timeline, "steps": []}
+                seq.extra = {"request": request, "timeline": timeline, "steps": [], "tokens": [token]}
                 self.batch.add(seq, run.layer_kv)
                 joined.append(seq)
             timeline["finish"] = reason
@@ -119,13 +156,15 @@ class WorkerStage(Stage):
             prefilled, joined, results = await loop.run_in_executor(self.executor, self._iterate, remove)
             for request, token, _, timeline in prefilled:
                 reason = timeline.pop("finish")
+                cached = timeline.pop("cached")
                 if request.request_id in self.gone:
                     if request.request_id not in self.running:
                         self.gone.discard(request.request_id)
                     continue
                 if reason is not None:
                     self.finish(request.request_id)
-                await self.send_output("tokens", request.route, Tokens(request.request_id, 0, [token], reason))
+                first = Tokens(request.request_id, 0, [token], reason, cached_tokens=cached)
+                await self.send_output("tokens", request.route, first)
             for seq in joined:
                 self.running[seq.request_id] = seq
             await self._emit(results)
@@ -137,8 +176,10 @@ class WorkerStage(Stage):
                 continue
             request: PrefillRequest = seq.extra["request"]
             reason = after_decode_step(seq, token, self.model, now)
+            seq.extra["tokens"].append(token)
             timeline = {}
             if reason is not None:
+                seq.extra["finished"] = True
                 self.gone.add(seq.request_id)
                 self.finish(seq.request_id)
                 timeline = {**seq.extra["timeline"], "decode.steps": seq.extra["steps"], "decode.end": [now]}

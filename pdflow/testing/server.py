@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-_PORTS = 10  # server, control (2), five stage control ports, two data ports
+_PORTS = 11  # server, control (2), five stage control ports, three data ports
 
 
 def free_port_base() -> int:
@@ -38,8 +38,9 @@ def _inline(options: dict | None) -> str:
 
 def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str = "disaggregated",
                   chunked_prefill_tokens: int = 0, kv_streaming: str = "layer",
-                  link_options: dict | None = None, request_timeout_s: float = 120) -> str:
-    """A topology on ports ``base`` .. ``base + 9``; ``link_options`` go on the prefill -> kv_shuttle link."""
+                  link_options: dict | None = None, request_timeout_s: float = 120, kv: dict | None = None) -> str:
+    """A topology on ports ``base`` .. ``base + 10``; ``link_options`` go on the prefill -> kv_shuttle
+    link; ``kv``: the [kv] table's settings."""
     common = f"""
 [model]
 source = "smollm2"
@@ -55,6 +56,9 @@ max_batch = 32
 ready_timeout_s = 240
 heartbeat_timeout_s = 10
 request_timeout_s = {request_timeout_s}
+
+[kv]
+{chr(10).join(f"{k} = {json.dumps(v)}" for k, v in (kv or {}).items())}
 
 [stages.ingress]
 port = {base + 3}
@@ -78,6 +82,7 @@ kv_streaming = "{kv_streaming}"
 
 [stages.prefill]
 port = {base + 4}
+data_port = {base + 10}
 cores = [0]
 [stages.kv_shuttle]
 port = {base + 5}
@@ -106,14 +111,15 @@ class PdflowServer:
 
     def __init__(self, workdir: Path, transport: str = "tcp", extra: str = "", startup_timeout_s: float = 240,
                  log_format: str = "console", mode: str = "disaggregated", chunked_prefill_tokens: int = 0,
-                 kv_streaming: str = "layer", link_options: dict | None = None, request_timeout_s: float = 120):
+                 kv_streaming: str = "layer", link_options: dict | None = None, request_timeout_s: float = 120,
+                 kv: dict | None = None):
         self.workdir = workdir
         base = free_port_base()
         self.url = f"http://127.0.0.1:{base}"
         self.topology = workdir / "topology.toml"
         self.topology.write_text(
             topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options,
-                          request_timeout_s)
+                          request_timeout_s, kv)
         )
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s

@@ -21,6 +21,7 @@ chunk's span from ``self._regions.landing`` and report it with ``_arrived``.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import time
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
@@ -36,6 +37,7 @@ from pdflow.transports.regions import Regions, byte_view
 log = structlog.get_logger()
 
 _CLOSED = object()
+_LAZY_BYTES = 1 << 20  # allocate() maps buffers this large instead of zero-filling them
 
 
 class Transport(ABC):
@@ -103,9 +105,10 @@ class Transport(ABC):
 
         This is how stages get receive buffers: a transport whose peers write into shared or
         pinned memory (shm, RDMA) allocates it there, so KV lands where the stage reads it.
-        The default is plain process memory.
+        The default is plain process memory (a large buffer is mapped lazily, so a store's arena
+        costs only the pages that fill).
         """
-        buffer = memoryview(bytearray(nbytes))
+        buffer = memoryview(mmap.mmap(-1, nbytes)) if nbytes >= _LAZY_BYTES else memoryview(bytearray(nbytes))
         self.register(region, buffer)
         return buffer
 

@@ -103,6 +103,22 @@ def parse_bandwidth(value: Any, option: str = "bandwidth") -> float:
     return rate
 
 
+def parse_size(value: Any, option: str = "size") -> int:
+    """``"4GiB"``, ``"512MiB"``, ``"2GB"`` or a plain integer of bytes -> bytes (> 0); ValueError
+    naming ``option`` otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        number, unit = _quantity(option, value, "4GiB")
+        if unit not in _BYTES:
+            raise ValueError(f"{_shown(option, value)}: unknown unit {unit!r}; expected B, KB, MB, GB, TB, KiB, MiB "
+                             "or GiB")
+        size = int(number * _BYTES[unit])
+    if size <= 0:
+        raise ValueError(f"{_shown(option, value)}: a size must be > 0")
+    return size
+
+
 def parse_latency(value: Any, option: str = "latency") -> float:
     """``"1ms"``, ``"250us"``, ``"0.5s"`` (also ``ns``, ``µs``) -> seconds (>= 0); ValueError
     naming ``option`` otherwise."""

@@ -1,0 +1,75 @@
+"""Prefix caching inside one process: the colocated worker's own store.
+
+The same :class:`~pdflow.kv.store.KvStore` as kv-shuttle's, used by copies instead of transfers:
+a prompt's cached prefix is read out as past KV for its prefill, and the prompt's (and later its
+answer's) full blocks are copied in. So disaggregated and colocated serving reuse the same
+prefixes and stay a fair comparison.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from pdflow.kv.blocks import BlockHasher, reusable_blocks
+from pdflow.kv.layout import KvLayout
+from pdflow.kv.store import KvStore, StoreFull
+
+__all__ = ["LocalPrefixCache"]
+
+
+class LocalPrefixCache:
+    """A store and its hasher, safe to call from the thread that runs the model while another
+    thread reads :meth:`stats`."""
+
+    def __init__(self, kv: KvLayout, hasher: BlockHasher, capacity_bytes: int, **store_options) -> None:
+        self.hasher = hasher
+        self.block_tokens = hasher.block_tokens
+        self.store = KvStore(kv, hasher.block_tokens, capacity_bytes, **store_options)
+        self._lock = threading.Lock()
+
+    def prefix(self, owner: str, prompt_ids: list[int]) -> tuple[int, tuple[list[torch.Tensor], list[torch.Tensor]] | None]:
+        """How many leading tokens of the prompt are cached (whole blocks, leaving at least one to
+        compute), and their KV (per layer keys and values, token-major copies), or ``(0, None)``."""
+        ids = self.hasher.ids(prompt_ids)
+        with self._lock:
+            lease = self.store.lease(owner, ids, write=False,
+                                     max_hit=reusable_blocks(len(ids), len(prompt_ids), self.block_tokens))
+            try:
+                if not lease.hit:
+                    return 0, None
+                tokens = lease.hit * self.block_tokens
+                return tokens, self.store.read(lease.slots[: lease.hit], tokens)
+            finally:
+                self.store.release(owner)
+
+    def keep(self, token_ids: list[int], first_block: int, keys: Sequence[torch.Tensor],
+             values: Sequence[torch.Tensor]) -> int:
+        """Store the full blocks of ``token_ids`` from block ``first_block`` on, whose KV is given
+        (per layer, token-major, from token ``first_block * block_tokens``); blocks already stored
+        are skipped. Returns how many were added (0 when the store is full of pinned blocks or
+        the blocks before ``first_block`` are gone)."""
+        ids = self.hasher.ids(token_ids)
+        if len(ids) <= first_block:
+            return 0
+        owner = ("keep", id(keys))
+        bt = self.block_tokens
+        with self._lock:
+            try:
+                lease = self.store.lease(owner, ids, verify=False, count=False)
+            except StoreFull:
+                return 0
+            try:
+                if lease.hit < first_block:
+                    return 0
+                skip = (lease.hit - first_block) * bt
+                self.store.write(lease.new_slots, lease.hit * bt, [k[skip:] for k in keys], [v[skip:] for v in values])
+                return sum(self.store.commit(lease, i) for i in range(lease.hit, len(ids)))
+            finally:
+                self.store.release(owner)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self.store.stats().as_dict()
