@@ -272,10 +272,12 @@ class ProtocolRefused(Message):
 
 
 class KvChunkHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """Describes one chunk of KV bytes on the data plane.
+    """Describes one chunk of KV bytes on the data plane: ``layer``'s keys (or values) of tokens
+    ``token_start .. token_end``, token-major, shaped ``shape``.
 
     The payload is written into the receiver's registered ``region`` at ``offset``; ``checksum``
     is the xxh3-64 of the payload (:func:`pdflow.kv.layout.checksum`), verified on arrival.
+    Receivers count what has landed by the token range.
     """
 
     request_id: str

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from pdflow.bench.experiments import Report, bench, figure
 from pdflow.testing.server import PdflowServer
 from pdflow.timeline import kv_summary, plot
 
@@ -40,25 +41,8 @@ DESIGNS = {
     "colocated": {"mode": "colocated"},
     "colocated-chunked": {"mode": "colocated", "chunked_prefill_tokens": 256},
 }
-_lines: list[str] = []
-
-
-def _f(value, spec: str = ".0f") -> str:
-    """A figure for a table; "-" where a cell has none (e.g. every request of it failed)."""
-    return "-" if value is None else format(value, spec)
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-    _lines.append(line)
-
-
-def _bench(url: str, out: Path, argv: list[str]) -> dict:
-    from pdflow.bench.serve import main, parse_args
-
-    args = parse_args(["--base-url", url, "--no-progress", "--result-json", str(out), *argv])
-    main(args)
-    return json.loads(out.read_text())
+REPORT = Report()
+say, _f, _bench = REPORT.say, figure, bench
 
 
 # --- 1. serve ----------------------------------------------------------------------------------
@@ -289,19 +273,8 @@ def main() -> int:
     if opts.quick:
         opts.rates, opts.num_prompts, opts.input_range, opts.trace_limit = "0.5", 4, "16:128", 4
         opts.kv_tokens, opts.batch, opts.overhead_rounds = [256], 4, 1
-    opts.out.mkdir(parents=True, exist_ok=True)
-    say(f"# pdflow disaggregation experiment ({time.strftime('%Y-%m-%d %H:%M')}, load average "
-        f"{os.getloadavg()[0]:.2f}, {os.cpu_count()} cores)")
-    say(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
     parts = {"serve": part_serve, "trace": part_trace, "kv-tail": part_kv_tail, "overhead": part_overhead}
-    for name in opts.parts.split(","):
-        say()
-        say(f"## {name}")
-        parts[name](opts, opts.out)
-    (opts.out / "summary.md").write_text("\n".join(_lines) + "\n")
-    say()
-    say(f"written: {opts.out / 'summary.md'}")
-    return 0
+    return REPORT.run("pdflow disaggregation experiment", parts, opts)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ from pdflow.bench.prompts import PromptBuilder, Tokenizer
 from pdflow.bench.serve import main, parse_args, reproduce
 from pdflow.bench.serve_client import RequestRecord, send
 from pdflow.bench.serve_runner import schedule
-from pdflow.bench.workloads import WorkloadSpec, build, shared_prefix_blocks
+from pdflow.bench.cache_bound import infinite_cache_hits
+from pdflow.bench.workloads import (
+    WorkloadSpec, build, build_sessions, reusable_fraction, shared_prefix_blocks, trace_rows,
+)
 
 # Only the tests that start a server carry the e2e mark: the rest are fast unit tests that should
 # still run under `-m "not e2e"`.
@@ -90,6 +93,37 @@ class _FakeBuilder:
         return [0] * sum(lengths)
 
 
+def test_the_unbounded_cache_bound_follows_the_run_s_own_timing():
+    def rec(i, sent, ttft, e2e, prompt, answer=None):
+        return RequestRecord(i, len(prompt), 4, sent_s=sent, ttft_s=ttft, e2e_s=e2e, prompt_ids=prompt,
+                             answer_ids=answer)
+
+    doc = list(range(100, 140))  # 10 blocks of 4
+    records = [
+        rec(0, 0.0, 1.0, 2.0, doc + [1, 2]),
+        rec(1, 0.5, 0.2, 0.3, doc + [3, 4]),  # sent before request 0's prefill was done: nothing to hit
+        rec(2, 1.5, 0.2, 0.3, doc + [5, 6]),  # after it: the whole document
+        rec(3, 1.6, 0.1, 0.2, doc[:8]),  # fully cached, but its last token must be computed
+        rec(4, 3.0, 0.1, 0.5, doc + [1, 2, 7, 8, 9, 10, 11, 12], [7, 8, 9]),  # request 0's answer ended at 2.0,
+    ]                                                                          # unknown: the prompt hits to 40
+    records.append(rec(5, 4.0, 0.1, 0.1, doc + [1, 2, 7, 8, 9, 10, 11, 12, 13]))  # request 4's answer: 48
+    assert infinite_cache_hits(records, 4) == [0, 0, 40, 4, 40, 48]
+    records[2].error = "boom"
+    assert infinite_cache_hits(records, 4)[2] == 0
+    records[0].prompt_ids = None  # a text prompt: no bound
+    assert infinite_cache_hits(records, 4) is None
+
+
+def test_cache_summary_reports_the_hit_ratio_beside_the_bound():
+    records = [_record(i, 0.1, [0.01], 2) for i in range(2)]
+    for i, r in enumerate(records):
+        r.prompt_ids, r.sent_s, r.cached_tokens = [7] * 8 + [i], float(i), 4 * i
+        r.usage_prompt_tokens = 9
+    c = summarize(records, 2.0, block_tokens=4)["cache"]
+    assert (c["prompt_tokens"], c["cached_tokens"], c["computed_tokens"]) == (18, 4, 14)
+    assert c["bound_tokens"] == 8 and c["of_bound"] == 0.5 and c["hit_ratio"] == 4 / 18
+
+
 # --- prompts -------------------------------------------------------------------------------------
 
 
@@ -137,13 +171,46 @@ def test_fixed_and_random_prompts_have_the_asked_lengths_and_do_not_share(tokeni
 # --- the client on a canned stream, and plots ------------------------------------------------------
 
 
+def test_sampled_conversations_keep_every_turn_of_the_picked_ones(tmp_path):
+    rows = [{"timestamp": t, "input_length": 10, "output_length": 2, "hash_ids": ids} for t, ids in
+            [(0, [0, 1, 2]), (5, [0, 5]), (7, [0, 1, 2, 3]), (9, [0, 6, 7]), (12, [0, 6, 7, 8]), (20, [0, 1, 2, 3, 4])]]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    conversations = {(0, 1): [0, 7, 20], (0, 5): [5], (0, 6): [9, 12]}
+    for seed in range(6):
+        picked = trace_rows(WorkloadSpec("trace", path=str(path), sample_conversations=2, seed=seed))
+        times = [r["timestamp"] for r in picked]
+        assert times == sorted(times)
+        kept = {tuple(r["hash_ids"][:2]) for r in picked}
+        assert len(kept) == 2 and times == sorted(t for key in kept for t in conversations[key])
+    assert reusable_fraction(rows) == (0 + 1 + 3 + 1 + 3 + 4) / 21
+
+
+def test_rag_and_multiturn_workloads_share_what_they_should(tokenizer):
+    builder = PromptBuilder(tokenizer, 3)
+    rag = build(WorkloadSpec("rag", documents=3, doc_len=50, questions=2, question_len=5, output_len=4), builder)
+    assert len(rag) == 6 and all(r.prompt_len == 55 for r in rag)
+    by_doc: dict = {}
+    for r in rag:
+        by_doc.setdefault(tuple(r.prompt[:50]), []).append(r.prompt[50:])
+    assert len(by_doc) == 3 and all(len(qs) == 2 and qs[0] != qs[1] for qs in by_doc.values())
+    spec = WorkloadSpec("multiturn", sessions=2, turns=3, input_len=40, turn_len=6, output_len=4)
+    sessions = build_sessions(spec, builder)
+    assert [s.turns for s in sessions] == [3, 3] and sessions[0].first != sessions[1].first
+    assert all(len(s.first) == 40 and [len(m) for m in s.messages] == [6, 6] for s in sessions)
+    assert [r.prompt for r in build(spec, builder)] == [s.first for s in sessions]
+    with pytest.raises(ValueError, match="turns"):
+        WorkloadSpec("multiturn", turns=0)
+
+
 def test_chat_stream_counts_text_chunks_and_usage():
     events = [
         {"id": "c1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
         {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
         {"id": "c1", "choices": [{"index": 0, "delta": {"content": " there"}, "finish_reason": None}]},
         {"id": "c1", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
-        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}},
+        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3,
+                                              "prompt_tokens_details": {"cached_tokens": 4}}},
     ]
     body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
@@ -151,11 +218,12 @@ def test_chat_stream_counts_text_chunks_and_usage():
         transport = httpx.MockTransport(lambda request: httpx.Response(status, content=content))
         record = RequestRecord(0, 9, 3)
         async with httpx.AsyncClient(transport=transport) as client:
-            await send(client, "http://x/v1/chat/completions", {"messages": []}, record, origin=0.0)
+            await send(client, "http://x/v1/chat/completions", {"messages": []}, record, origin=0.0, keep_text=True)
         return record
 
     r = asyncio.run(go(body))
     assert r.ok and r.chunks == 2 and len(r.gaps_s) == 1 and r.request_id == "c1"
+    assert r.text == "Hi there" and r.cached_tokens == 4
     assert (r.usage_completion_tokens, r.output_tokens, r.finish_reason) == (3, 3, "length")
     assert 0 <= r.ttft_s <= r.e2e_s
     bad = asyncio.run(go(b'data: {"error": {"message": "boom"}}\n\n'))
@@ -236,3 +304,35 @@ def test_trace_replay_keeps_prefixes(server, tmp_path):
     assert a["prompt"][:shared * block] == b["prompt"][:shared * block]
     assert a["prompt"][shared * block:(shared + 1) * block] != b["prompt"][shared * block:(shared + 1) * block]
     assert [r["output_len"] for r in run["records"]] == [round(row["output_length"] * 0.01) for row in rows]
+
+
+@e2e
+def test_multiturn_sessions_send_their_answers_back_and_hit_the_cache(server, tmp_path):
+    result = _bench(server, tmp_path, "--dataset", "multiturn", "--sessions", "2", "--turns", "3", "--input-len",
+                    "140", "--turn-len", "12", "--output-len", "6", "--think-time", "0", "--seed", "7")
+    (run,) = result["runs"]
+    records = run["records"]
+    assert [(r["session"], r["turn"]) for r in sorted(records, key=lambda r: (r["session"], r["turn"]))] == [
+        (s, t) for s in range(2) for t in range(3)]
+    for s in range(2):
+        turns = sorted((r for r in records if r["session"] == s), key=lambda r: r["turn"])
+        assert all(r["error"] is None for r in turns)
+        # every turn re-sends the last prompt, the answer (6 tokens, give or take a re-tokenized
+        # boundary) and 12 new tokens; from the second turn on the store holds the history
+        for before, after in zip(turns, turns[1:]):
+            assert 12 + 4 <= after["usage_prompt_tokens"] - before["usage_prompt_tokens"] <= 12 + 8
+            assert after["cached_tokens"] >= before["usage_prompt_tokens"] // 64 * 64 > 0
+    cache = run["metrics"]["cache"]
+    assert cache["reported"] == 6 and cache["cached_tokens"] > 0 and cache["bound_tokens"] >= 64
+    assert cache["computed_tokens"] == cache["prompt_tokens"] - cache["cached_tokens"]
+
+
+@e2e
+def test_rag_questions_hit_their_document(server, tmp_path):
+    result = _bench(server, tmp_path, "--dataset", "rag", "--documents", "2", "--doc-len", "200", "--questions",
+                    "2", "--question-len", "8", "--output-len", "4", "--max-concurrency", "1", "--seed", "9")
+    (run,) = result["runs"]
+    _check_consistent(run)
+    cache = run["metrics"]["cache"]
+    assert cache["bound_tokens"] == 2 * 192  # each document's second question: its 3 full blocks
+    assert cache["cached_tokens"] == cache["bound_tokens"] and cache["of_bound"] == 1.0

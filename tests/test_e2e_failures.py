@@ -68,6 +68,14 @@ def test_killing_decode_mid_stream_fails_the_request_then_decode_comes_back(clie
     assert died and died[0]["stage"] == "decode-0" and died[0]["reason"] == "killed by SIGKILL"
     prefilled = [e for e in events if e["event"] == "prefill.done"]
     assert prefilled and all(e["request_id"].startswith("chatcmpl-") for e in prefilled)
+    # the store let go of the killed request's blocks (and of the one after it)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = server.health()["stages"]["kv-shuttle-0"]["stats"]
+        if not stats["leases"] and not stats["pinned_blocks"]:
+            break
+        time.sleep(0.5)
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
 
 
 def test_sigterm_stops_the_whole_tree_within_10_s(client, server):

@@ -65,9 +65,11 @@ def _tables(running) -> dict[str, dict]:
             sizes.update(regions=len(stage.by_region), waiting=len(stage.waiting), running=len(stage.running),
                          batch=len(stage.batch))
         if name == "kv_shuttle":
-            sizes.update(regions=len(stage.by_region), pool=stage.pool_used)
+            stats = stage.store.stats()
+            sizes.update(leases=stats.leases, pinned=stats.pinned_blocks,
+                         leased=stats.blocks_used - stats.blocks_cached)
         if name == "prefill":
-            sizes.update(queued=stage.queue.qsize())
+            sizes.update(queued=stage.queue.qsize(), prefixes=len(stage.by_region))
         if name == "ingress":
             sizes.update(assigned=sum(stage.assigned.values()))
         out[f"{name}-{replica}"] = sizes
@@ -153,4 +155,39 @@ def test_a_handler_exception_reaches_the_client_at_once(running):
     # from the moment the handler raised to the client holding the error: at once, not after the
     # request timeout
     assert elapsed < 1.0, elapsed
+    assert all(v == 0 for sizes in _settle(running).values() for v in sizes.values())
+
+
+def test_a_corrupt_block_in_the_store_is_recomputed_and_counted(running):
+    """A stored block whose bytes changed fails its checksum when a request would read it: the
+    request still gets the same answer (prefill computes that block again), the failure is
+    counted, and the block is stored afresh for the next request."""
+    document = "The Varenne rises in the granite hills of the Oberland plateau and runs west to the sea. " * 12
+    messages = [{"role": "user", "content": document + "Where does the Varenne rise?"}]
+    store = running.stage("kv_shuttle").store
+
+    async def ask():
+        reply = await _client(running).chat.completions.create(
+            model="smollm2", messages=messages, temperature=0, max_tokens=12)
+        return reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens
+
+    before = set(store._index)
+    first, cached = running.loop.run_until_complete(ask())
+    assert cached == 0
+    _settle(running)
+    chain = [block for block_id, block in store._index.items() if block_id not in before]
+    root = next(block for block in chain if block.parent is None)
+    second, cached = running.loop.run_until_complete(ask())
+    assert second == first and cached >= 192
+    _settle(running)
+    failures = store.stats().checksum_failures
+    victim = next(block for block in chain if block.parent is root)
+    store.blocks[7, 1, victim.slot, 3, 1, 5] += 1.0  # one float of the second block's values, layer 7
+    third, cached = running.loop.run_until_complete(ask())
+    assert third == first
+    assert cached == 64, "the hit must end before the corrupt second block"
+    assert store.stats().checksum_failures == failures + 1
+    _settle(running)
+    fourth, cached = running.loop.run_until_complete(ask())
+    assert fourth == first and cached >= 192  # recomputed and stored again
     assert all(v == 0 for sizes in _settle(running).values() for v in sizes.values())

@@ -10,6 +10,10 @@ Definitions (latencies in milliseconds):
 * E2E: from sending a request to the end of its stream.
 * Goodput: requests per second that finished without error and met both SLOs (an SLO left unset
   is met by everyone); also as a fraction of all requests sent.
+* Prefix cache: prompt tokens the server reports as cached (``usage.prompt_tokens_details.
+  cached_tokens``) over all prompt tokens (the hit ratio), the prompt tokens it had to compute,
+  and the same ratio for an unbounded cache on the same request sequence
+  (:mod:`pdflow.bench.cache_bound`), with the measured ratio as a fraction of that bound.
 """
 
 from __future__ import annotations
@@ -72,9 +76,33 @@ def meets_slo(record: RequestRecord, slo_ttft_ms: float | None, slo_tbt_ms: floa
     return slo_tbt_ms is None or tbt is None or tbt * 1000 <= slo_tbt_ms
 
 
+def cache_summary(records: list[RequestRecord], block_tokens: int) -> dict:
+    from pdflow.bench.cache_bound import infinite_cache_hits
+
+    ok = [r for r in records if r.ok]
+    prompt = sum(r.usage_prompt_tokens or r.prompt_len for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None]
+    cached = sum(r.cached_tokens for r in reported)
+    bound = infinite_cache_hits(records, block_tokens)
+    bound_tokens = sum(bound) if bound is not None else None
+    return {
+        "block_tokens": block_tokens,
+        "reported": len(reported),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "computed_tokens": prompt - cached,
+        "hit_ratio": cached / prompt if prompt else 0.0,
+        "bound_tokens": bound_tokens,
+        "bound_ratio": bound_tokens / prompt if bound is not None and prompt else None,
+        "of_bound": cached / bound_tokens if bound_tokens else None,
+        "cached_per_request": distribution((r.cached_tokens for r in reported), scale=1.0),
+    }
+
+
 def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_ms: float | None = None,
-              slo_tbt_ms: float | None = None) -> dict:
-    """Every metric of one run; ``duration_s`` runs from the first send to the last reply."""
+              slo_tbt_ms: float | None = None, block_tokens: int = 64) -> dict:
+    """Every metric of one run; ``duration_s`` runs from the first send to the last reply;
+    ``block_tokens``: the server's prefix-cache block, for the unbounded-cache bound."""
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     good = [r for r in records if meets_slo(r, slo_ttft_ms, slo_tbt_ms)]
@@ -107,4 +135,5 @@ def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_ms: floa
         "usage_missing": sum(r.usage_completion_tokens is None for r in ok),
         "chunks_differ_from_usage": sum(r.usage_completion_tokens not in (None, r.chunks) for r in ok),
         "output_len_differs": sum(r.output_tokens != r.output_len for r in ok),
+        "cache": cache_summary(records, block_tokens),
     }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pdflow.bench import serve_report as report
 from pdflow.bench.prompts import PromptBuilder, Tokenizer
-from pdflow.bench.workloads import WorkloadSpec, block_size, build, parse_range
+from pdflow.bench.workloads import DATASETS, WorkloadSpec, block_size, build, build_sessions, parse_range
 
 # httpx, the runner and matplotlib are imported by main(), so that `pdflow --help` and
 # `pdflow run` do not pay for them (nor need httpx, which comes with the `bench` extra).
@@ -67,7 +67,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
 
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=("fixed", "random", "trace", "jsonl"), default="fixed")
+    g.add_argument("--dataset", choices=DATASETS, default="fixed",
+                   help="fixed, random, trace (Mooncake JSONL), jsonl, rag (documents x questions), "
+                   "multiturn (chat sessions that re-send their history with the model's answers)")
     g.add_argument("--dataset-path", help="the trace (Mooncake JSONL) or jsonl file")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="requests for fixed/random (default 16); for trace/jsonl the same as --limit")
@@ -80,9 +82,22 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=1.0,
                    help="trace: replay this many times faster (2: twice as fast, 0.5: half speed)")
     g.add_argument("--limit", type=int, help="trace/jsonl: only the first N requests")
+    g.add_argument("--sample-conversations", type=int, metavar="N",
+                   help="trace: every request of N conversations picked at random (--seed), a "
+                   "conversation being the requests that share their first two hash ids")
     g.add_argument("--tokenizer", default="smollm2",
                    help="a Hugging Face directory or known model name (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="for lengths, prompts and arrivals")
+    g.add_argument("--documents", type=int, default=4, help="rag: documents (default: %(default)s)")
+    g.add_argument("--doc-len", type=int, default=3000, help="rag: tokens per document (default: %(default)s)")
+    g.add_argument("--questions", type=int, default=4, help="rag: questions per document (default: %(default)s)")
+    g.add_argument("--question-len", type=int, default=32, help="rag: tokens per question (default: %(default)s)")
+    g.add_argument("--sessions", type=int, default=8, help="multiturn: chat sessions (default: %(default)s)")
+    g.add_argument("--turns", type=int, default=4, help="multiturn: turns per session (default: %(default)s)")
+    g.add_argument("--turn-len", type=int, default=64,
+                   help="multiturn: tokens of each new message after the first (--input-len) (default: %(default)s)")
+    g.add_argument("--think-time", type=float, default=1.0,
+                   help="multiturn: seconds between an answer and the next turn (default: %(default)s)")
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=_rates, metavar="R[,R...]",
@@ -90,6 +105,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    "turn, each with fresh prompt tokens (same lengths) so no run hits another's cache. "
                    "Default: the trace's timestamps for trace, else inf")
     g.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    g.add_argument("--cache-block-tokens", type=int,
+                   help="block size of the unbounded-cache bound (default: the pdflow server's "
+                   "kv.block_tokens from /health, else 64)")
 
     g = p.add_argument_group("report")
     g.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT, ms")
@@ -148,7 +166,9 @@ def _workload(args, seed_suffix: str = ""):
     num = args.num_prompts if args.num_prompts is not None else 16
     spec = WorkloadSpec(args.dataset, num, args.input_len, args.output_len, args.input_len_range,
                         args.output_len_range, args.dataset_path, args.token_scale, args.time_scale,
-                        args.limit if args.limit is not None else args.num_prompts, args.seed)
+                        args.limit if args.limit is not None else args.num_prompts, args.seed,
+                        args.documents, args.doc_len, args.questions, args.question_len, args.sessions,
+                        args.turns, args.turn_len, args.think_time, args.sample_conversations)
     builder = PromptBuilder(tokenizer, f"{args.seed}{seed_suffix}")
     return spec, builder, build(spec, builder)
 
@@ -168,13 +188,31 @@ def describe(spec: WorkloadSpec, builder: PromptBuilder, requests) -> dict:
             "output_len": {"mean": statistics.fmean(outs), "min": min(outs), "max": max(outs)}}
     if spec.dataset == "trace":
         info |= {"token_scale": spec.token_scale, "time_scale": spec.time_scale,
-                 "block_tokens": block_size(spec.token_scale)}
+                 "block_tokens": block_size(spec.token_scale), "sample_conversations": spec.sample_conversations}
+    if spec.dataset == "rag":
+        info |= {"documents": spec.documents, "doc_len": spec.doc_len, "questions": spec.questions,
+                 "question_len": spec.question_len}
+    if spec.dataset == "multiturn":
+        info |= {"sessions": spec.sessions, "turns": spec.turns, "first_len": spec.input_len,
+                 "turn_len": spec.turn_len, "think_time_s": spec.think_time_s,
+                 "note": "input_len counts first turns only; later turns grow with the answers"}
     if drift:
         info["retokenize_error"] = {
             "sampled": len(drift), "mean_abs_tokens": statistics.fmean(abs(d) for d in drift),
             "max_abs_tokens": max(abs(d) for d in drift),
             "mean_abs_fraction": statistics.fmean(abs(d) / len(ids) for d, ids in zip(drift, generated))}
     return info
+
+
+def _server_block_tokens(args) -> int | None:
+    """A pdflow server's ``kv.block_tokens``, from the store's stats in ``/health``."""
+    import httpx
+
+    try:
+        stages = httpx.get(f"{args.base_url}/health", timeout=10).json().get("stages", {})
+    except (httpx.HTTPError, ValueError):
+        return None
+    return next((s["stats"]["block_tokens"] for s in stages.values() if "block_tokens" in s.get("stats", {})), None)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -184,7 +222,7 @@ def main(args: argparse.Namespace) -> int:
 
         from pdflow.bench import plots
         from pdflow.bench.metrics import summarize
-        from pdflow.bench.serve_runner import Target, run, schedule
+        from pdflow.bench.serve_runner import Target, run, run_sessions, schedule
     except ImportError as exc:
         sys.stderr.write(f"error: {exc}; install the benchmark's dependencies: pip install httpx\n")
         return 1
@@ -210,15 +248,21 @@ def main(args: argparse.Namespace) -> int:
     target = Target(args.base_url, model, args.endpoint, not args.no_ignore_eos, args.text_prompts,
                     args.timeout, args.api_key)
     rates = args.request_rate or [None if args.dataset == "trace" else math.inf]
+    block_tokens = args.cache_block_tokens or _server_block_tokens(args) or 64
     runs = []
     for k, rate in enumerate(rates):
         if k:  # fresh prompt tokens, same lengths and prefix structure
             spec, builder, requests = _workload(args, f".{k}")
         label = report.label(rate, args.max_concurrency, spec)
         arrivals = schedule(requests, rate, args.seed)
-        records, duration = asyncio.run(run(target, requests, builder, arrivals, args.max_concurrency,
-                                            args.timelines, args.save_prompts, not args.no_progress, label))
-        metrics = summarize(records, duration, args.slo_ttft, args.slo_tbt)
+        if spec.dataset == "multiturn":  # the rate starts sessions; each runs its turns in turn
+            records, duration = asyncio.run(run_sessions(
+                target, build_sessions(spec, builder), builder, arrivals, spec.think_time_s,
+                args.max_concurrency, not args.no_progress, label))
+        else:
+            records, duration = asyncio.run(run(target, requests, builder, arrivals, args.max_concurrency,
+                                                args.timelines, args.save_prompts, not args.no_progress, label))
+        metrics = summarize(records, duration, args.slo_ttft, args.slo_tbt, block_tokens)
         runs.append({"label": label, "request_rate": "inf" if rate == math.inf else rate,
                      "max_concurrency": args.max_concurrency, "metrics": metrics,
                      "records": [r.to_json() for r in records]})

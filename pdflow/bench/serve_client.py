@@ -28,19 +28,27 @@ class RequestRecord:
     chunks: int = 0  # chunks that carried text
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server says
     output_tokens: int = 0  # usage when the server sent it, else chunks
     finish_reason: str | None = None
     request_id: str | None = None
     error: str | None = None
     timeline: dict | None = None
     prompt: str | list[int] | None = None  # only with --save-prompts
+    session: int | None = None  # multi-turn: which session, which turn
+    turn: int | None = None
+    text: str | None = None  # the answer, when the runner needs it (multi-turn)
+    prompt_ids: list[int] | None = None  # for the cache bound; not written to the results
+    answer_ids: list[int] | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if not (k == "prompt" and v is None)}
+        skip = {"prompt_ids", "answer_ids", "text"}
+        return {k: v for k, v in asdict(self).items()
+                if k not in skip and not (k in ("prompt", "session", "turn") and v is None)}
 
 
 def payload(endpoint: str, model: str, prompt: str | list[int], max_tokens: int,
@@ -66,12 +74,14 @@ def _text(chunk: dict, chat: bool) -> str:
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord,
-               origin: float) -> None:
-    """POST ``body`` to ``url`` and fill ``record``; any failure lands in ``record.error``."""
+               origin: float, keep_text: bool = False) -> None:
+    """POST ``body`` to ``url`` and fill ``record`` (with the answer in ``record.text`` when
+    ``keep_text``); any failure lands in ``record.error``."""
     chat = "messages" in body
     start = time.perf_counter()
     record.sent_s = start - origin
     last = None
+    parts: list[str] = []
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -93,9 +103,14 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, record: RequestR
                 if usage := chunk.get("usage"):
                     record.usage_prompt_tokens = usage.get("prompt_tokens")
                     record.usage_completion_tokens = usage.get("completion_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        record.cached_tokens = details["cached_tokens"]
                 for choice in chunk.get("choices") or []:
                     record.finish_reason = choice.get("finish_reason") or record.finish_reason
-                if _text(chunk, chat):
+                if text := _text(chunk, chat):
+                    if keep_text:
+                        parts.append(text)
                     if last is None:
                         record.ttft_s = now - start
                     else:
@@ -107,6 +122,8 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, record: RequestR
         return
     finally:
         record.e2e_s = time.perf_counter() - start
+        if keep_text:
+            record.text = "".join(parts)
     if record.ttft_s is None:
         record.error = "the stream ended without any text"
     record.output_tokens = (record.usage_completion_tokens if record.usage_completion_tokens is not None

@@ -43,6 +43,7 @@ def table(run_label: str, m: dict) -> str:
         f"!= max_tokens on {m['output_len_differs']}",
         f"{'goodput':<26}{m['goodput']:.3f} req/s, {100 * m['goodput_fraction']:.1f}% of requests "
         f"({_slo(m)})",
+        *_cache_lines(m.get("cache")),
         "-" * WIDTH,
         f"{'latency (ms)':<26}" + "".join(f"{c:>9}" for c in COLUMNS) + f"{'count':>8}",
     ]
@@ -54,6 +55,22 @@ def table(run_label: str, m: dict) -> str:
         lines += [f"  {e}" for e in m["errors"]]
     lines.append("=" * WIDTH)
     return "\n".join(lines) + "\n"
+
+
+def _cache_lines(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    if not c["reported"]:
+        return [f"{'prefix cache':<26}the server reports no cached tokens"]
+    line = (f"{'prefix cache':<26}hit {100 * c['hit_ratio']:.1f}% of prompt tokens "
+            f"({c['cached_tokens']} of {c['prompt_tokens']}); computed {c['computed_tokens']}")
+    bound = ""
+    if c["bound_ratio"] is not None:
+        of = f" = {100 * c['of_bound']:.1f}% of it" if c["of_bound"] is not None else ""
+        bound = f"{'':<26}unbounded cache ({c['block_tokens']}-token blocks): {100 * c['bound_ratio']:.1f}%{of}"
+    d = c["cached_per_request"]
+    per = f"{'':<26}cached per request: mean {d['mean']:.0f}, p50 {d['p50']:.0f}, max {d['max']:.0f} tokens"
+    return [line] + ([bound] if bound else []) + [per]
 
 
 def sweep(runs: list[dict]) -> str:

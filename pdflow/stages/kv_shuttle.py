@@ -44,18 +44,20 @@ from pdflow.runtime.stage import Stage, Submission
 ARENA = 0  # the region the arena is registered as
 _EXPIRY_INTERVAL_S = 1.0
 _ANSWER_TTL_S = 60.0  # how long decode gets to write an answer's blocks
+_ARRIVING_WAIT_S = 2.0  # how long a request waits for an answer's blocks already on their way
 
 
 @dataclass(slots=True, eq=False)
 class _Entry:
     request: KvExpected
-    lease: Lease
-    cached: int  # prompt tokens whose KV came from the store
     decode_destination: asyncio.Future  # where decode wants the prompt's KV
-    landed: list[int]  # per block after the prefix: layer spans (keys or values) landed from prefill
-    next_commit: int
+    lease: Lease | None = None  # set once planned
+    cached: int = 0  # prompt tokens whose KV came from the store
+    landed: list[int] = field(default_factory=list)  # per block after the prefix: layer spans landed
+    next_commit: int = 0
     answer: Lease | None = None
     answer_landed: list[int] = field(default_factory=list)
+    answer_done: asyncio.Future | None = None  # resolved once the answer's blocks are in (or not)
     tasks: set = field(default_factory=set)
 
     @property
@@ -94,6 +96,7 @@ class KvShuttleStage(Stage):
         self.arena, self.memory = self.store.layout, self.store.span(0, self.store.layout.nbytes)
         self.hasher = BlockHasher.for_pipeline(topo)
         self.reuse = settings.prefix_cache
+        self.arriving: dict[int, asyncio.Future] = {}  # block id -> an answer writing it back now
         await self.inbound.start()
         self.address = self.inbound.address_for(ARENA)
         outbound = topo.link(self.ctx.stage, self.output("kv"))
@@ -122,8 +125,29 @@ class KvShuttleStage(Stage):
     # --- a request arrives: lease its blocks, tell prefill what to compute --------------------
 
     async def on_expected(self, message: KvExpected) -> None:
-        rid, n, bt = message.request_id, len(message.prompt_ids), self.arena.block_tokens
+        entry = _Entry(message, asyncio.get_running_loop().create_future())
+        self.requests.open(message.request_id, entry)
         ids = self.hasher.ids(message.prompt_ids) if self.reuse else []
+        if self._arriving_next(ids) is None:
+            await self._plan(entry, ids)
+        else:  # the previous turn's answer is being written back: wait for it, not the inbox
+            self._spawn_for(entry, self._plan(entry, ids))
+
+    def _arriving_next(self, ids: list[int]) -> asyncio.Future | None:
+        """The answer write-back that will store the first block of ``ids`` the store lacks, if any."""
+        missing = next((block_id for block_id in ids if block_id not in self.store), None)
+        return self.arriving.get(missing) if missing is not None else None
+
+    async def _plan(self, entry: _Entry, ids: list[int]) -> None:
+        """Lease the request's blocks (after any answer on its way that extends its prefix) and
+        tell prefill what to compute."""
+        message = entry.request
+        rid, n, bt = message.request_id, len(message.prompt_ids), self.arena.block_tokens
+        while (arriving := self._arriving_next(ids)) is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(arriving), _ARRIVING_WAIT_S)
+            except asyncio.TimeoutError:
+                break
         total = -(-n // bt)
         try:
             lease = self.store.lease(rid, ids, total - len(ids), verify=True, count=self.reuse,
@@ -131,16 +155,18 @@ class KvShuttleStage(Stage):
         except StoreFull as exc:
             await self.fail(rid, f"the KV store cannot hold this request's {n} tokens: {exc}", message.route)
             return
-        usable = lease.hit
-        cached = usable * bt
-        future = asyncio.get_running_loop().create_future()
-        entry = _Entry(message, lease, cached, future, [0] * (total - usable), usable)
-        self.requests.open(rid, entry)
-        plan = KvPlan(rid, self.address, ARENA, self.arena.num_slots, cached, lease.slots[usable:])
+        entry.lease, entry.cached, entry.next_commit = lease, lease.hit * bt, lease.hit
+        entry.landed = [0] * (total - lease.hit)
+        plan = KvPlan(rid, self.address, ARENA, self.arena.num_slots, entry.cached, lease.slots[lease.hit :])
         await self.send_output("destination", message.route, plan)
+        destination = entry.decode_destination
+        if entry.cached and destination.done() and not destination.cancelled():
+            self._prefix_to_decode(entry, destination.result())
 
     def on_prefix_destination(self, message: PrefixDestination) -> None:
         entry: _Entry = self.requests.get(message.request_id)
+        if entry.lease is None:
+            raise RuntimeError("prefill asked for a prefix before the request was planned")
         self._spawn_for(entry, self._send_prefix(entry, self.to_prefill, message.address, message.region,
                                                  entry.cached, "prefill"))
 
@@ -148,9 +174,12 @@ class KvShuttleStage(Stage):
         entry: _Entry = self.requests.get(message.request_id)
         if not entry.decode_destination.done():
             entry.decode_destination.set_result(message)
-        if entry.cached:
-            self._spawn_for(entry, self._send_prefix(entry, self.to_decode, message.address, message.region,
-                                                     entry.num_tokens, "decode"))
+        if entry.lease is not None and entry.cached:  # else _plan sends it once planned
+            self._prefix_to_decode(entry, message)
+
+    def _prefix_to_decode(self, entry: _Entry, destination: KvDestination) -> None:
+        self._spawn_for(entry, self._send_prefix(entry, self.to_decode, destination.address, destination.region,
+                                                 entry.num_tokens, "decode"))
 
     # --- moving bytes -------------------------------------------------------------------------
 
@@ -198,8 +227,8 @@ class KvShuttleStage(Stage):
                 return
             header = notice.header
             entry = self.requests.get(header.request_id)
-            if entry is None:
-                continue  # ended meanwhile
+            if entry is None or entry.lease is None:
+                continue  # ended meanwhile (or a stray chunk before any plan)
             if notice.error is not None:
                 await self.fail(header.request_id, f"KV chunk lost on its way into the store: {notice.error!r}")
                 continue
@@ -234,7 +263,7 @@ class KvShuttleStage(Stage):
         entry: _Entry = self.requests.get(rid)
         bt, n = self.arena.block_tokens, entry.num_tokens
         blocks = answer_blocks(n, n + len(message.output_ids), bt)
-        if not (self.reuse and message.output_ids and blocks):
+        if not (self.reuse and message.output_ids and blocks and entry.lease is not None):
             self._end(rid)
             return
         ids = self.hasher.ids(entry.request.prompt_ids + message.output_ids)[: blocks.stop]
@@ -248,6 +277,10 @@ class KvShuttleStage(Stage):
         entry.answer = answer
         first = answer.hit if answer.ids else blocks.stop
         entry.answer_landed = [0] * (blocks.stop - first)
+        if answer.new_slots:  # the next turn of this chat may arrive before they do: it waits for them
+            entry.answer_done = asyncio.get_running_loop().create_future()
+            for block_id in answer.ids[answer.hit :]:
+                self.arriving[block_id] = entry.answer_done
         reply = KvReturnSlots(rid, self.address, ARENA, self.arena.num_slots, first * bt, answer.new_slots)
         await self.send_output("kv", entry.route, reply)
         if not answer.new_slots:
@@ -275,6 +308,12 @@ class KvShuttleStage(Stage):
         rid = entry.request.request_id
         self.store.release(rid)
         self.store.release((rid, "answer"))
+        if entry.answer_done is not None:  # committed or given up: whoever waits for it goes on
+            for block_id in entry.answer.ids[entry.answer.hit :]:
+                if self.arriving.get(block_id) is entry.answer_done:
+                    del self.arriving[block_id]
+            if not entry.answer_done.done():
+                entry.answer_done.set_result(None)
         entry.decode_destination.cancel()
         for task in entry.tasks:
             task.cancel()

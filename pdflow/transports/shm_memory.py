@@ -18,6 +18,7 @@ from typing import Any
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+POPULATE_MAX = 1 << 30  # larger segments are mapped lazily
 
 
 class Segment:
@@ -51,14 +52,17 @@ class Segment:
 def map_segment(fd: int) -> memoryview:
     """Map a segment a receiver sent (closes ``fd``); ValueError unless it is sealed against shrinking.
 
-    Every page is faulted in now (allocated and zeroed if the receiver has not touched it), so the
-    writes into it run at copy speed and the receiver's allocate() never waits for that work.
-    Takes about as long as a copy of the segment: call it in a worker thread when it is large."""
+    Every page of a segment up to :data:`POPULATE_MAX` is faulted in now (allocated and zeroed if
+    the receiver has not touched it), so the writes into it run at copy speed and the receiver's
+    allocate() never waits for that work; that takes about as long as a copy of the segment, so
+    call it in a worker thread. A larger segment (a KV store's arena, mostly empty) is mapped
+    lazily: its pages come with the first write to each."""
     try:
         if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
             raise ValueError("the peer sent memory that is not sealed against shrinking")
         size = os.fstat(fd).st_size
-        return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE))
+        populate = _POPULATE if size <= POPULATE_MAX else 0
+        return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate))
     finally:
         os.close(fd)
 

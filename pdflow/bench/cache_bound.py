@@ -1,0 +1,44 @@
+"""What an unbounded prefix cache could have served on the same request sequence.
+
+A request's prompt can only hit blocks that some earlier request had already produced: the blocks
+of an earlier prompt once its prefill was done (its first token had arrived), and of an earlier
+prompt plus its answer once that answer had ended (a chat's next turn re-sends both). Replaying
+the run's own send and reply times over the prompts' block ids gives the hits a cache that never
+evicts would have had: the bound a measured hit ratio is compared with.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pdflow.kv.blocks import BlockHasher, reusable_blocks
+
+if TYPE_CHECKING:
+    from pdflow.bench.serve_client import RequestRecord
+
+
+def infinite_cache_hits(records: Sequence[RequestRecord], block_tokens: int) -> list[int] | None:
+    """Per record, the prompt tokens an unbounded cache of ``block_tokens``-token blocks could
+    have served (0 for failed requests); None when a prompt's token ids are unknown (text prompts)."""
+    if any(r.prompt_ids is None for r in records):
+        return None
+    hasher = BlockHasher("bench", "", block_tokens)
+    ready: list[tuple[float, int, list[int]]] = []  # (when, tie-break, token ids): available from then on
+    seen: set[int] = set()
+    hits = [0] * len(records)
+    order = sorted(range(len(records)), key=lambda i: records[i].sent_s)
+    for n, i in enumerate(order):
+        record = records[i]
+        while ready and ready[0][0] <= record.sent_s:
+            seen.update(hasher.ids(heapq.heappop(ready)[2]))
+        if not record.ok:
+            continue
+        ids = hasher.ids(record.prompt_ids)
+        hit = next((k for k, block in enumerate(ids) if block not in seen), len(ids))
+        hits[i] = reusable_blocks(hit, len(record.prompt_ids), block_tokens) * block_tokens
+        heapq.heappush(ready, (record.sent_s + record.ttft_s, 2 * n, record.prompt_ids))
+        if record.answer_ids:
+            heapq.heappush(ready, (record.sent_s + record.e2e_s, 2 * n + 1, record.prompt_ids + record.answer_ids))
+    return hits
