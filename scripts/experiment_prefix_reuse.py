@@ -6,7 +6,8 @@
 2. rag: K documents of L tokens, each asked M questions, one request at a time: TTFT with the KV
    store against prefix_cache = false (and against llama.cpp's own prompt cache, given
    --llama-cpp-url), the hit ratio beside an unbounded cache's.
-3. multiturn: chat sessions of N turns re-sending their history with the model's own answers.
+3. multiturn: chat sessions of N turns re-sending their history with the model's own answers;
+   blocks: the same against stores of each block size (--block-sizes).
 4. trace: a scaled replay of Mooncake's conversation trace: prompt tokens computed against the
    trace's own reusable fraction, goodput under SLOs.
 5. capacity: the multi-turn workload with smaller and smaller stores: hit ratio against the bound.
@@ -104,10 +105,11 @@ def _servers(opts) -> dict[str, dict]:
     return designs
 
 
-def _run_designs(opts, out: Path, name: str, argv: list[str], kv: dict | None = None) -> dict[str, dict]:
+def _run_designs(opts, out: Path, name: str, argv: list[str], kv: dict | None = None,
+                 request_timeout_s: float = 600) -> dict[str, dict]:
     results = {}
     for design, config in _servers(opts).items():
-        config = {**config, "kv": {**(kv or {}), **config.get("kv", {})}}
+        config = {**config, "kv": {**(kv or {}), **config.get("kv", {})}, "request_timeout_s": request_timeout_s}
         with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), **config) as server:
             say(f"- {design}: {name}")
             results[design] = bench(server.url, out / f"{name}-{design.replace(' ', '-')}.json", argv)
@@ -168,6 +170,34 @@ def part_multiturn(opts, out: Path) -> None:
     _table(results)
 
 
+def part_blocks(opts, out: Path) -> None:
+    """The multi-turn workload against stores of different block sizes: granularity against cost."""
+    argv = ["--dataset", "multiturn", "--sessions", str(opts.sessions), "--turns", str(opts.turns), "--input-len",
+            str(opts.first_len), "--turn-len", "64", "--output-len", "32", "--think-time", "1",
+            "--max-concurrency", "1", "--seed", "2"]
+    results = {}
+    for bt in opts.block_sizes:
+        with tempfile.TemporaryDirectory() as tmp, \
+                PdflowServer(Path(tmp), kv={"block_tokens": bt}, request_timeout_s=600) as server:
+            say(f"- pd reuse, {bt}-token blocks: multiturn")
+            results[bt] = bench(server.url, out / f"blocks-{bt}.json", argv)
+    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), kv={"prefix_cache": False}) as server:
+        say("- pd no reuse: multiturn")
+        off = bench(server.url, out / "blocks-off.json", argv)["runs"][0]["metrics"]["ttft_ms"]["p50"]
+    say()
+    say("The multi-turn workload above (`pdflow bench serve " + " ".join(argv) + "`) against stores of each block "
+        f"size, and once without reuse (TTFT p50 {off:.0f} ms):")
+    say()
+    say("| block tokens | TTFT p50 (ms) | TTFT p90 (ms) | no reuse / reuse, TTFT p50 | cached / prompt tokens | "
+        "prompt tokens computed |")
+    say("|---:|---:|---:|---:|---:|---:|")
+    for bt, result in results.items():
+        m = result["runs"][0]["metrics"]
+        c = m["cache"]
+        say(f"| {bt} | {figure(m['ttft_ms']['p50'])} | {figure(m['ttft_ms']['p90'])} | "
+            f"{off / m['ttft_ms']['p50']:.1f}x | {c['hit_ratio']:.1%} | {c['computed_tokens']} |")
+
+
 # --- 4. trace --------------------------------------------------------------------------------------
 
 
@@ -181,7 +211,7 @@ def part_trace(opts, out: Path) -> None:
     spec = WorkloadSpec("trace", path=str(TRACE), token_scale=opts.trace_token_scale,
                         sample_conversations=opts.trace_conversations, seed=5)
     rows = trace_rows(spec)
-    results = _run_designs(opts, out, "trace", argv, kv={"block_tokens": block})
+    results = _run_designs(opts, out, "trace", argv, kv={"block_tokens": block}, request_timeout_s=900)
     reusable = reusable_fraction(rows)
     say()
     say(f"Mooncake conversation trace: every request of {opts.trace_conversations} conversations picked at random "
@@ -213,7 +243,8 @@ def part_capacity(opts, out: Path) -> None:
     say("|---|---:|---:|---:|---:|---:|")
     rows = []
     for size in opts.capacities:
-        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), kv={"store_bytes": size}) as server:
+        with tempfile.TemporaryDirectory() as tmp, \
+                PdflowServer(Path(tmp), kv={"store_bytes": size}, request_timeout_s=600) as server:
             result = bench(server.url, out / f"capacity-{size}.json", argv)
             stats = server.health()["stages"]["kv-shuttle-0"].get("stats", {})
         c = result["runs"][0]["metrics"]["cache"]
@@ -242,7 +273,8 @@ def part_overhead(opts, out: Path) -> None:
     prompts = [[rng.randrange(1000, 40000) for _ in range(opts.overhead_tokens)] for _ in range(opts.overhead_requests)]
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, \
             PdflowServer(Path(a)) as on, PdflowServer(Path(b), kv={"prefix_cache": False}) as off:
-        _ttft(on.url, prompts[0][:64]), _ttft(off.url, prompts[0][:64])  # warm-up
+        warm_up = [rng.randrange(1000, 40000) for _ in range(64)]
+        _ttft(on.url, warm_up), _ttft(off.url, warm_up)
         pairs = []
         for i, prompt in enumerate(prompts):  # alternate which goes first: drift hits both alike
             first, second = (on, off) if i % 2 == 0 else (off, on)
@@ -279,20 +311,20 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--first-len", type=int, default=1000)
     parser.add_argument("--trace-conversations", type=int, default=40)
-    parser.add_argument("--trace-token-scale", type=float, default=0.0625)
+    parser.add_argument("--trace-token-scale", type=float, default=0.03125)
     parser.add_argument("--trace-time-scale", type=float, default=20.0)
     parser.add_argument("--slo-ttft", type=float, default=10000.0)
     parser.add_argument("--slo-tbt", type=float, default=500.0)
     parser.add_argument("--capacity-sessions", type=int, default=8)
-    parser.add_argument("--capacities", type=lambda s: s.split(","), default=["48MiB", "96MiB", "192MiB", "4GiB"])
+    parser.add_argument("--capacities", type=lambda s: s.split(","), default=["192MiB", "288MiB", "384MiB", "4GiB"])
     parser.add_argument("--overhead-requests", type=int, default=16)
     parser.add_argument("--overhead-tokens", type=int, default=256)
     opts = parser.parse_args()
     if opts.quick:
         opts.doc_len, opts.questions, opts.first_len, opts.turns, opts.trace_conversations = 300, 2, 200, 3, 4
-        opts.capacity_sessions, opts.capacities, opts.overhead_requests = 2, ["24MiB", "4GiB"], 4
-    parts = {"lookup": part_lookup, "rag": part_rag, "multiturn": part_multiturn, "trace": part_trace,
-             "capacity": part_capacity, "overhead": part_overhead}
+        opts.capacity_sessions, opts.capacities, opts.overhead_requests = 2, ["96MiB", "4GiB"], 4
+    parts = {"lookup": part_lookup, "rag": part_rag, "multiturn": part_multiturn, "blocks": part_blocks,
+             "trace": part_trace, "capacity": part_capacity, "overhead": part_overhead}
     return REPORT.run("pdflow prefix reuse experiment", parts, opts)
 
 

@@ -108,6 +108,9 @@ def test_the_unbounded_cache_bound_follows_the_run_s_own_timing():
     ]                                                                          # unknown: the prompt hits to 40
     records.append(rec(5, 4.0, 0.1, 0.1, doc + [1, 2, 7, 8, 9, 10, 11, 12, 13]))  # request 4's answer: 48
     assert infinite_cache_hits(records, 4) == [0, 0, 40, 4, 40, 48]
+    # the answer's last token is never fed back, so no cache has its KV: a block it would complete
+    short = [rec(0, 0.0, 0.1, 0.2, [1, 2, 3, 4, 5, 6], [7, 8]), rec(1, 1.0, 0.1, 0.2, [1, 2, 3, 4, 5, 6, 7, 8, 10])]
+    assert infinite_cache_hits(short, 4) == [0, 4]
     records[2].error = "boom"
     assert infinite_cache_hits(records, 4)[2] == 0
     records[0].prompt_ids = None  # a text prompt: no bound

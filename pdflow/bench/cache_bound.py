@@ -2,7 +2,8 @@
 
 A request's prompt can only hit blocks that some earlier request had already produced: the blocks
 of an earlier prompt once its prefill was done (its first token had arrived), and of an earlier
-prompt plus its answer once that answer had ended (a chat's next turn re-sends both). Replaying
+prompt plus its answer once that answer had ended (a chat's next turn re-sends both), all but the
+answer's last token (it is never fed back, so no server has its KV). Replaying
 the run's own send and reply times over the prompts' block ids gives the hits a cache that never
 evicts would have had: the bound a measured hit ratio is compared with.
 """
@@ -40,5 +41,6 @@ def infinite_cache_hits(records: Sequence[RequestRecord], block_tokens: int) -> 
         hits[i] = reusable_blocks(hit, len(record.prompt_ids), block_tokens) * block_tokens
         heapq.heappush(ready, (record.sent_s + record.ttft_s, 2 * n, record.prompt_ids))
         if record.answer_ids:
-            heapq.heappush(ready, (record.sent_s + record.e2e_s, 2 * n + 1, record.prompt_ids + record.answer_ids))
+            sequence = record.prompt_ids + record.answer_ids[:-1]
+            heapq.heappush(ready, (record.sent_s + record.e2e_s, 2 * n + 1, sequence))
     return hits

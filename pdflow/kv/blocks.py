@@ -1,10 +1,11 @@
 """Block ids: what names a block of KV, the same way in every process and after every restart.
 
 A block is the KV of ``block_tokens`` consecutive tokens. Its id is a 128-bit xxh3 of its parent
-block's id, its own token ids and a salt of everything that changes its bytes (the model, the KV
-dtype, the block size), so one id always means the same bytes: equal ids at block *i* of two
-prompts mean the prompts agree on every token up to the end of block *i*. Only full blocks get
-ids; a prompt's partial last block is private to its request.
+block's id and its own token ids; the first block's parent is the hash of a salt of everything
+that changes the bytes (the model, the KV dtype, the block size), so the salt is in every id. One
+id always means the same bytes: equal ids at block *i* of two prompts mean the prompts agree on
+every token up to the end of block *i*. Only full blocks get ids; a prompt's partial last block
+is private to its request.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import xxhash
 __all__ = ["BlockHasher", "BlockId", "full_blocks"]
 
 BlockId = int  # 128 bits, from xxh3_128
-
-_ROOT = b"\0" * 16  # the parent of a sequence's first block
 
 
 def full_blocks(num_tokens: int, block_tokens: int) -> int:
@@ -32,6 +31,7 @@ class BlockHasher:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.block_tokens = block_tokens
         self.salt = f"pdflow-kv-block/1|{model}|{dtype}|{block_tokens}".encode()
+        self._root = xxhash.xxh3_128_digest(self.salt)  # the parent of a sequence's first block
 
     @classmethod
     def for_pipeline(cls, pipeline) -> "BlockHasher":
@@ -45,15 +45,12 @@ class BlockHasher:
         bt = self.block_tokens
         if start and parent is None:
             parent = self.ids(token_ids[:start * bt])[-1]
-        previous = _ROOT if parent is None else parent.to_bytes(16, "little")
-        tokens = array("q", token_ids)
+        previous = self._root if parent is None else parent.to_bytes(16, "little")
+        data = array("I", token_ids[start * bt : len(token_ids) // bt * bt]).tobytes()  # 4 bytes a token
+        step = 4 * bt
         out: list[BlockId] = []
-        for block in range(start, len(token_ids) // bt):
-            h = xxhash.xxh3_128()
-            h.update(self.salt)
-            h.update(previous)
-            h.update(tokens[block * bt : (block + 1) * bt].tobytes())
-            digest = h.intdigest()
+        for offset in range(0, len(data), step):
+            digest = xxhash.xxh3_128_intdigest(previous + data[offset : offset + step])
             out.append(digest)
             previous = digest.to_bytes(16, "little")
         return out

@@ -164,8 +164,9 @@ class DecodeStage(Stage):
 
     def on_cancel(self, request_id: str, entry: _Incoming, reason: str) -> None:
         self._release(entry)
-        if entry.answer is None:
-            self.spawn(self.send_output("destination", entry.request.route, KvReleased(request_id)))
+        # kv-shuttle drops the request's leases (a second KvReleased, while an answer was offered:
+        # the answer is not coming)
+        self.spawn(self.send_output("destination", entry.request.route, KvReleased(request_id)))
         if entry in self.waiting:
             self.waiting.remove(entry)
         if request_id in self.running:
@@ -261,11 +262,13 @@ class DecodeStage(Stage):
             self.log.warning("answer.unclaimed", request_id=entry.request.request_id)
             self.finish(entry.request.request_id)
 
-    async def on_return_slots(self, message: KvReturnSlots) -> None:
+    def on_return_slots(self, message: KvReturnSlots) -> None:
+        entry: _Incoming = self.requests.get(message.request_id)
+        if entry.answer is not None:
+            self.spawn(self._write_answer(entry, message))
+
+    async def _write_answer(self, entry: _Incoming, message: KvReturnSlots) -> None:
         rid = message.request_id
-        entry: _Incoming = self.requests.get(rid)
-        if entry.answer is None:
-            return
         start, exported = entry.answer
         try:
             if message.slots:
@@ -281,5 +284,7 @@ class DecodeStage(Stage):
                         await self.to_shuttle.write(message.address, header, data)
         except (transports.TransportError, asyncio.TimeoutError) as exc:
             self.log.warning("answer.not_stored", request_id=rid, error=repr(exc))
+            self.spawn(self.send_output("destination", entry.request.route, KvReleased(rid)))  # do not wait for it
         finally:
-            self.finish(rid)
+            if self.requests.get(rid) is entry:
+                self.finish(rid)

@@ -259,11 +259,13 @@ class KvShuttleStage(Stage):
     # --- the request ends: its answer into the store, leases dropped -------------------------
 
     async def on_released(self, message: KvReleased) -> None:
+        """The request ended at decode: store its answer's new blocks (if any), then drop its leases."""
         rid = message.request_id
         entry: _Entry = self.requests.get(rid)
         bt, n = self.arena.block_tokens, entry.num_tokens
         blocks = answer_blocks(n, n + len(message.output_ids), bt)
-        if not (self.reuse and message.output_ids and blocks and entry.lease is not None):
+        # (a second KvReleased, after an answer was offered: decode gave it up)
+        if not (self.reuse and message.output_ids and blocks and entry.lease is not None and entry.answer is None):
             self._end(rid)
             return
         ids = self.hasher.ids(entry.request.prompt_ids + message.output_ids)[: blocks.stop]
