@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdflow.kv.layout import KEYS, VALUES, KvLayout, torch_dtype
+from pdflow.kv.layout import KvLayout, torch_dtype
 
 __all__ = ["ArenaLayout", "Run", "anonymous_memory", "runs"]
 
@@ -88,5 +88,3 @@ def anonymous_memory(nbytes: int) -> memoryview:
     """``nbytes`` of zeroed process memory, mapped lazily: pages nothing touched cost nothing."""
     return memoryview(mmap.mmap(-1, max(nbytes, 1)))
 
-
-KINDS = (KEYS, VALUES)

@@ -138,6 +138,7 @@ class KvStore:
         self._index: dict[BlockId, _Block] = {}
         self._evictable: list[tuple[int, BlockId]] = []  # heap of (tick, id); stale entries skipped
         self._leases: dict[Hashable, Lease] = {}
+        self._pinned = 0  # indexed blocks with pins > 0
         self._tick = 0
         self._counts = dict.fromkeys(
             ("lookups", "hits", "misses", "hit_blocks", "commits", "evictions", "checksum_failures"), 0)
@@ -339,7 +340,7 @@ class KvStore:
             block_tokens=self.block_tokens, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
             hit_blocks=c["hit_blocks"], hit_tokens=c["hit_blocks"] * self.block_tokens, commits=c["commits"],
             evictions=c["evictions"], checksum_failures=c["checksum_failures"], leases=len(self._leases),
-            pinned_blocks=sum(1 for b in self._index.values() if b.pins),
+            pinned_blocks=self._pinned,
         )
 
     # --- inside ----------------------------------------------------------------------------------
@@ -358,6 +359,8 @@ class KvStore:
         return not block.pins and not block.children and not block.detached
 
     def _pin(self, block: _Block) -> None:
+        if not block.pins and not block.detached:
+            self._pinned += 1
         block.pins += 1
 
     def _unpin(self, block: _Block) -> None:
@@ -366,7 +369,9 @@ class KvStore:
             return
         if block.detached:
             heapq.heappush(self._free, block.slot)
-        elif not block.children:
+            return
+        self._pinned -= 1
+        if not block.children:
             heapq.heappush(self._evictable, (block.tick, block.id))
 
     def _take(self, n: int) -> list[int]:
@@ -423,6 +428,7 @@ class KvStore:
             self._remove(block)
             if block.pins:
                 block.detached = True
+                self._pinned -= 1
             else:
                 heapq.heappush(self._free, block.slot)
 

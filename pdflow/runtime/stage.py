@@ -160,6 +160,34 @@ class Stage:
         """The stage that output ``name`` goes to in this pipeline."""
         return self.config.outputs.get(name) or type(self).outputs[name]
 
+    def kv_sender(self, output: str):
+        """A data-plane transport that writes KV to the stage ``output`` names, over the pipeline's
+        link to it."""
+        from pdflow import transports
+
+        link = self.pipeline.link(self.ctx.stage, self.output(output))
+        return transports.create(link.transport, host=self.config.host, **link.options)
+
+    def kv_receiver(self, output: str):
+        """This replica's data-plane endpoint (on its data port) for KV from the stage ``output``
+        names, over the pipeline's link from it; not started yet."""
+        from pdflow import transports
+
+        link = self.pipeline.link(self.output(output), self.ctx.stage)
+        return transports.create(link.transport, host=self.config.host, port=self.config.data_port_of(self.replica),
+                                 **link.options)
+
+    async def notices(self, transport):
+        """The chunk notices ``transport`` hands out, until it closes or the stage stops."""
+        from pdflow.transports.errors import TransportClosed
+
+        while not self.stopping.is_set():
+            try:
+                notice = await transport.next_notice()
+            except TransportClosed:
+                return
+            yield notice
+
     async def send_output(self, output: str, route: Route, message: Message) -> None:
         stage = self.output(output)
         await self.bus.send(stage, route.of(stage), message)

@@ -69,13 +69,9 @@ class DecodeStage(Stage):
     async def setup(self) -> None:
         topo, cfg = self.pipeline, self.config
         self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device)
-        link = topo.link(self.output("destination"), self.ctx.stage)
-        self.from_shuttle = transports.create(
-            link.transport, host=cfg.host, port=cfg.data_port_of(self.replica), **link.options
-        )
+        self.from_shuttle = self.kv_receiver("destination")
         await self.from_shuttle.start()
-        back = topo.link(self.ctx.stage, self.output("destination"))
-        self.to_shuttle = transports.create(back.transport, host=cfg.host, **back.options)
+        self.to_shuttle = self.kv_sender("destination")
         self.block_tokens = topo.kv.block_tokens if topo.kv.prefix_cache else 0
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="decode-step")
@@ -122,11 +118,7 @@ class DecodeStage(Stage):
         self._maybe_complete(entry)
 
     async def _notice_loop(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                notice = await self.from_shuttle.next_notice()
-            except transports.TransportClosed:
-                return
+        async for notice in self.notices(self.from_shuttle):
             entry = self.by_region.get(notice.header.region)
             if entry is None:
                 continue

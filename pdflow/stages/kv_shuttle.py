@@ -80,13 +80,10 @@ class KvShuttleStage(Stage):
         return KvExpected(submission.request_id, submission.prompt_ids, submission.route)
 
     async def setup(self) -> None:
-        topo, cfg = self.pipeline, self.config
+        topo = self.pipeline
         config = await asyncio.to_thread(AutoConfig.from_pretrained, self.ctx.model_dir)
         self.kv = KvLayout.from_config(config, topo.model.dtype)
-        inbound = topo.link(self.output("destination"), self.ctx.stage)
-        self.inbound = transports.create(
-            inbound.transport, host=cfg.host, port=cfg.data_port_of(self.replica), **inbound.options
-        )
+        self.inbound = self.kv_receiver("destination")
         settings = topo.kv
         size = ArenaLayout.for_capacity(self.kv, settings.block_tokens, settings.store_bytes).nbytes
         memory = self.inbound.allocate(ARENA, size)  # with shm: a shared segment
@@ -99,10 +96,8 @@ class KvShuttleStage(Stage):
         self.arriving: dict[int, asyncio.Future] = {}  # block id -> an answer writing it back now
         await self.inbound.start()
         self.address = self.inbound.address_for(ARENA)
-        outbound = topo.link(self.ctx.stage, self.output("kv"))
-        self.to_decode = transports.create(outbound.transport, host=cfg.host, **outbound.options)
-        back = topo.link(self.ctx.stage, self.output("destination"))
-        self.to_prefill = transports.create(back.transport, host=cfg.host, **back.options)
+        self.to_decode = self.kv_sender("kv")
+        self.to_prefill = self.kv_sender("destination")
         self.spawn(self._notice_loop(), essential=True)
         self.spawn(self._expiry_loop(), essential=True)
         self.log.info("store.ready", blocks=self.arena.num_slots, block_tokens=self.arena.block_tokens,
@@ -220,11 +215,7 @@ class KvShuttleStage(Stage):
                 await self.fail(rid, f"KV transfer to decode failed: {exc!r}")
 
     async def _notice_loop(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                notice = await self.inbound.next_notice()
-            except transports.TransportClosed:
-                return
+        async for notice in self.notices(self.inbound):
             header = notice.header
             entry = self.requests.get(header.request_id)
             if entry is None or entry.lease is None:

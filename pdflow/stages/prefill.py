@@ -72,12 +72,8 @@ class PrefillStage(Stage):
     async def setup(self) -> None:
         topo, cfg = self.pipeline, self.config
         self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device)
-        link = topo.link(self.ctx.stage, self.output("kv"))
-        self.to_shuttle = transports.create(link.transport, host=cfg.host, **link.options)
-        inbound = topo.link(self.output("kv"), self.ctx.stage)
-        self.from_shuttle = transports.create(
-            inbound.transport, host=cfg.host, port=cfg.data_port_of(self.replica), **inbound.options
-        )
+        self.to_shuttle = self.kv_sender("kv")
+        self.from_shuttle = self.kv_receiver("kv")
         await self.from_shuttle.start()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-forward")
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
@@ -145,11 +141,7 @@ class PrefillStage(Stage):
         return prefix
 
     async def _notice_loop(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                notice = await self.from_shuttle.next_notice()
-            except transports.TransportClosed:
-                return
+        async for notice in self.notices(self.from_shuttle):
             job = self.by_region.get(notice.header.region)
             if job is None or job.prefix is None:
                 continue
