@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pdflow import __version__
@@ -14,6 +15,7 @@ _EPILOG = """examples:
   pdflow bench transfer               measure the KV transports against memcpy and a plain socket
   pdflow bench serve --base-url URL   load an OpenAI-compatible server: TTFT, TBT, goodput
   pdflow trace cmpl-...               a request's timeline as a Perfetto trace, a PNG and its KV tail
+  pdflow keys new pipeline.key        a pipeline secret for [security] secret_file (multi-host)
 """
 
 
@@ -37,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="readable lines (default) or one JSON object per line")
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                      help="the least severe level logged (default: info)")
+    run.add_argument("--api-key", default=None, metavar="KEY",
+                     help="HTTP clients must send 'Authorization: Bearer KEY' (default: $PDFLOW_API_KEY, "
+                     "else [security] api_key_file/api_key_env, else none). Visible to other users in "
+                     "the process list: prefer the environment or a file on a shared machine")
 
     validate = sub.add_parser("validate", help="check a topology file and exit (status 2 when invalid)",
                               description="Decode and check TOPOLOGY: keys, types, ranges, port clashes, "
@@ -53,9 +59,33 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true", help="convert again even if already cached")
     pull.add_argument("--quiet", action="store_true", help="no progress bars")
     models_sub.add_parser("list", help="list known models and whether each is in the cache")
+    keys = sub.add_parser("keys", help="make a pipeline secret",
+                          description="A pipeline secret for [security] secret_file: the launchers of "
+                          "every host read the same one. Without one, each run makes its own.")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    new = keys_sub.add_parser("new", help="write a new secret to FILE (mode 0600; never overwrites)")
+    new.add_argument("file", help="where to write it, e.g. pipeline.key")
     _bench_parser(sub)
     _trace_parser(sub)
     return parser
+
+
+def _keys(args) -> int:
+    from pathlib import Path
+
+    from pdflow.security.keys import new_secret, write_secret_file
+
+    try:
+        write_secret_file(Path(args.file), new_secret())
+    except FileExistsError:
+        sys.stderr.write(f"error: {args.file} exists; remove it first or choose another name\n")
+        return 1
+    except OSError as exc:
+        sys.stderr.write(f"error: {args.file}: {exc.strerror}\n")
+        return 1
+    sys.stdout.write(f"wrote a new pipeline secret to {args.file} (mode 600); in the topology:\n"
+                     f"  [security]\n  secret_file = \"{args.file}\"\n")
+    return 0
 
 
 def _bench_parser(sub) -> None:
@@ -132,15 +162,17 @@ def _run(args) -> int:
     from pdflow.runtime.launcher import Launcher
     from pdflow.log import configure_logging
     from pdflow.models import ModelError, resolve
+    from pdflow.security import SecretError, pipeline_keys
 
     topology = _load(args.topology)
     configure_logging(args.log_format, args.log_level, stage="launcher")
     try:
+        keys = pipeline_keys(topology, args.api_key or os.environ.get("PDFLOW_API_KEY") or None)
         model_dir = resolve(str(topology.model.path or topology.model.source), progress=sys.stderr.isatty())
-    except ModelError as exc:
+    except (ModelError, SecretError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
-    return uvloop.run(Launcher(topology, model_dir, args.log_format, args.log_level).run())
+    return uvloop.run(Launcher(topology, model_dir, args.log_format, args.log_level, keys).run())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return _validate(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "keys":
+        return _keys(args)
     if args.command == "trace":
         from pdflow.timeline import cli_trace
 

@@ -6,6 +6,9 @@ import pytest
 
 from pdflow.testing.server import PdflowServer
 
+COLOCATED = {"mode": "colocated", "chunked_prefill_tokens": 64}
+DEFAULT_SERVER = {"header_timeout_s": 2, "max_body_bytes": "1MiB"}  # small, so that testing them is quick
+
 
 @pytest.fixture(scope="session")
 def model_dir():
@@ -14,8 +17,29 @@ def model_dir():
     return resolve("smollm2", progress=False)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    """One `pdflow run` of the default shape (tcp data plane) shared by a test module."""
-    with PdflowServer(tmp_path_factory.mktemp("pdflow")) as running:
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory, model_dir):
+    """One `pdflow run` of the default topology (disaggregated, tcp data plane, prefix cache on)
+    for the whole session: every module that needs no other shape shares it (each start costs
+    about 20 s). Tests leave it as they found it: no request in flight, no lease held. Its secret
+    is known (``default_server.keys()``), so a test can speak on its control plane as any replica."""
+    with PdflowServer(tmp_path_factory.mktemp("pdflow"), server=DEFAULT_SERVER) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def colocated_server(tmp_path_factory, model_dir):
+    """One `pdflow run` of the colocated baseline (one worker, chunked prefill of 64 tokens) for
+    the whole session, on the same terms as ``default_server``."""
+    with PdflowServer(tmp_path_factory.mktemp("pdflow-colocated"), **COLOCATED) as running:
+        yield running
+
+
+def shared_server(request, deployment: str) -> PdflowServer:
+    """The session's server of ``deployment`` ("disaggregated" or "colocated")."""
+    return request.getfixturevalue("default_server" if deployment == "disaggregated" else "colocated_server")
+
+
+@pytest.fixture(scope="module")
+def server(default_server):
+    return default_server

@@ -4,6 +4,8 @@ and a peer of another version is refused (never decoded as ours) and reported to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 
 import msgspec
 import structlog
@@ -12,8 +14,9 @@ import zmq.asyncio
 
 from pdflow.config.topology import parse_topology
 from pdflow.messages import ALL_MESSAGES, PROTOCOL_VERSION, Cancel, Hello, ProtocolRefused
-from pdflow.runtime.bus import VERSION, ZmqBus, launcher_framing, make_socket
+from pdflow.runtime.bus import VERSION, ZmqBus, client_security, launcher_framing, make_socket
 from pdflow.runtime.memory_bus import MemoryHub
+from pdflow.security.keys import PipelineKeys, new_secret
 from pdflow.testing.server import free_port_base, topology_text
 
 
@@ -21,6 +24,13 @@ def _topology(tmp_path):
     path = tmp_path / "topology.toml"
     path.write_text(topology_text(free_port_base()))
     return parse_topology(path.read_text(), path)
+
+
+def _launcher(tmp_path):
+    from pdflow.runtime.launcher import Launcher
+
+    topology = _topology(tmp_path)
+    return Launcher(topology, tmp_path, keys=PipelineKeys(new_secret(), topology.replicas()))
 
 
 def _frame(version: int, message) -> bytes:
@@ -85,16 +95,107 @@ async def test_memory_hub_carries_messages_between_buses():
 
 async def test_launcher_fails_fast_naming_the_stage_and_both_versions(tmp_path):
     from pdflow.messages import Ready
-    from pdflow.runtime.launcher import Launcher
 
-    launcher = Launcher(_topology(tmp_path), tmp_path)
+    launcher = _launcher(tmp_path)
     await launcher._handle(Ready("decode", 0, 4242, PROTOCOL_VERSION + 1))
     assert launcher.stop_requested.is_set() and not launcher.replicas[("decode", 0)].ready
     assert f"decode-0 speaks pdflow protocol {PROTOCOL_VERSION + 1}" in launcher.fatal
     assert f"the launcher speaks {PROTOCOL_VERSION}" in launcher.fatal
 
-    # a Ready framed by another version is not decoded as ours, yet the sender is named
-    older = Launcher(_topology(tmp_path), tmp_path)
-    older._foreign(_frame(PROTOCOL_VERSION - 1, Ready("prefill", 1, 7, PROTOCOL_VERSION - 1)))
+    # a Ready framed by another version is not decoded as ours, yet the sender is named...
+    older = _launcher(tmp_path)
+    older._foreign(_frame(PROTOCOL_VERSION - 1, Ready("prefill", 0, 7, PROTOCOL_VERSION - 1)), ("prefill", 0))
     assert older.stop_requested.is_set()
-    assert f"prefill-1 (pid 7) speaks pdflow protocol {PROTOCOL_VERSION - 1}" in older.fatal
+    assert f"prefill-0 (pid 7) speaks pdflow protocol {PROTOCOL_VERSION - 1}" in older.fatal
+
+    # ...but junk of another version, or a Ready sent in another replica's name, stops nothing
+    calm = _launcher(tmp_path)
+    calm._foreign(VERSION.pack(PROTOCOL_VERSION + 7) + os.urandom(32), ("egress", 0))
+    calm._foreign(_frame(PROTOCOL_VERSION - 1, Ready("prefill", 0, 7, PROTOCOL_VERSION - 1)), ("egress", 0))
+    assert not calm.stop_requested.is_set() and calm.fatal is None
+    assert (calm.malformed.count, calm.forged.count) == (1, 1)
+
+
+async def _no_message(bus, seconds: float = 0.5) -> bool:
+    try:
+        await asyncio.wait_for(bus.recv_from(), seconds)
+    except asyncio.TimeoutError:
+        return True
+    return False
+
+
+async def test_curve_names_each_sender_and_refuses_any_other_key(tmp_path):
+    """With the pipeline's keys, a receiver learns which replica sent each message (as the handshake
+    proved it); a peer without a key of the pipeline, or with none at all, never gets a byte in."""
+    topology = _topology(tmp_path)
+    keys = PipelineKeys(new_secret(), topology.replicas())
+    decode = ZmqBus(topology, "decode", 0, keys=keys.for_replica("decode", 0))
+    egress = ZmqBus(topology, "egress", 0, keys=keys.for_replica("egress", 0))
+    outsider = PipelineKeys(new_secret(), topology.replicas()).for_replica("egress", 0)
+    knows_publics = dataclasses.replace(keys.for_replica("egress", 0), own=outsider.own)
+    strangers = [ZmqBus(topology, "egress", 0, keys=outsider),  # another pipeline's keys
+                 ZmqBus(topology, "egress", 0, keys=knows_publics),  # our public keys, its own pair
+                 ZmqBus(topology, "egress", 0)]  # no CURVE at all
+    decode.start()
+    try:
+        await egress.send("decode", 0, Cancel("r-1", "test"))
+        assert await asyncio.wait_for(decode.recv_from(), 5) == (("egress", 0), Cancel("r-1", "test"))
+        for stranger in strangers:
+            await stranger.send("decode", 0, Cancel("r-2", "forged"))
+        assert await _no_message(decode, 1.0)
+        assert decode.counters()["control_refused_peers"] >= 1
+    finally:
+        for bus in (decode, egress, *strangers):
+            bus.close()
+
+
+async def test_junk_frames_are_dropped_and_counted_and_the_loop_goes_on(tmp_path):
+    topology = _topology(tmp_path)
+    keys = PipelineKeys(new_secret(), topology.replicas())
+    decode = ZmqBus(topology, "decode", 0, keys=keys.for_replica("decode", 0))
+    decode.start()
+    ctx = zmq.asyncio.Context()
+    push = make_socket(ctx, zmq.PUSH, connect=topology.stages["decode"].control_address(0),
+                       secure=client_security(keys.for_replica("egress", 0), "decode/0"))
+    try:
+        junk = [b"", b"\x00", VERSION.pack(PROTOCOL_VERSION) + os.urandom(64), os.urandom(1024),
+                VERSION.pack(PROTOCOL_VERSION) + msgspec.msgpack.encode(["Cancel", 1, 2, 3]),
+                VERSION.pack(PROTOCOL_VERSION) + msgspec.msgpack.encode({"not": "a message"})]
+        for frame in junk:
+            await push.send(frame)
+        await push.send(VERSION.pack(PROTOCOL_VERSION) + msgspec.msgpack.encode(Cancel("r-ok", "after the junk")))
+        sender, message = await asyncio.wait_for(decode.recv_from(), 5)
+        assert (sender, message) == (("egress", 0), Cancel("r-ok", "after the junk"))
+        assert decode.counters()["control_malformed"] == len(junk)
+    finally:
+        push.close(0)
+        ctx.destroy(0)
+        decode.close()
+
+
+async def test_the_launcher_takes_a_replica_s_message_only_from_that_replica(tmp_path):
+    from pdflow.messages import Heartbeat
+    from pdflow.runtime.bus import server_security
+    from pdflow.security.curve import PipelineAuthenticator
+
+    launcher = _launcher(tmp_path)
+    topology, keys = launcher.topology, launcher.keys
+    ctx = zmq.asyncio.Context()
+    launcher.pull = make_socket(ctx, zmq.PULL, bind=topology.control.pull_address,
+                                secure=server_security(keys.launcher()))
+    auth = PipelineAuthenticator(ctx, keys.launcher())
+    auth.start()
+    push = make_socket(ctx, zmq.PUSH, connect=topology.control.pull_address,
+                       secure=client_security(keys.for_replica("egress", 0), "launcher"))
+    try:
+        framing = launcher_framing()
+        await push.send(framing.encode(Heartbeat("decode", 0, 1, in_flight=99)))  # egress posing as decode
+        await push.send(framing.encode(Heartbeat("egress", 0, 1, in_flight=7)))
+        await launcher._drain_inbox(2.0)
+        assert launcher.replicas[("decode", 0)].in_flight == 0
+        assert launcher.replicas[("egress", 0)].in_flight == 7
+        assert launcher.forged.count == 1
+    finally:
+        push.close(0)
+        auth.stop()
+        ctx.destroy(0)

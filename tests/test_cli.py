@@ -152,3 +152,34 @@ def test_missing_file(tmp_path: Path, command: str) -> None:
     assert str(path) in result.stderr
     assert "cannot read the topology file" in result.stderr and "No such file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_keys_new_writes_a_secret_only_its_owner_reads_and_never_overwrites(tmp_path: Path) -> None:
+    from pdflow.config.pipeline import SecurityConfig
+    from pdflow.security.keys import SECRET_BYTES, SecretError, load_pipeline_secret
+
+    key = tmp_path / "pipeline.key"
+    result = pdflow("keys", "new", str(key))
+    assert result.returncode == 0, result.stderr
+    assert (key.stat().st_mode & 0o777) == 0o600 and "secret_file" in result.stdout
+    secret = load_pipeline_secret(SecurityConfig(secret_file=key))
+    assert len(secret) == SECRET_BYTES and secret.hex() not in result.stdout + result.stderr
+    again = pdflow("keys", "new", str(key))
+    assert again.returncode == 1 and "exists" in again.stderr
+    assert load_pipeline_secret(SecurityConfig(secret_file=key)) == secret
+    key.chmod(0o644)
+    with pytest.raises(SecretError, match="chmod 600"):
+        load_pipeline_secret(SecurityConfig(secret_file=key))
+    key.write_text("abcd")
+    key.chmod(0o600)
+    with pytest.raises(SecretError, match="the secret has 2 bytes; at least 32 are needed"):
+        load_pipeline_secret(SecurityConfig(secret_file=key))
+    assert load_pipeline_secret(SecurityConfig()) != load_pipeline_secret(SecurityConfig())  # fresh each run
+
+
+def test_run_refuses_a_topology_whose_secret_cannot_be_read(tmp_path: Path) -> None:
+    topology = tmp_path / "topology.toml"
+    topology.write_text('[security]\nsecret_env = "PDFLOW_NO_SUCH_SECRET"\n')
+    result = pdflow("run", str(topology))
+    assert result.returncode == 1
+    assert "PDFLOW_NO_SUCH_SECRET is not set" in result.stderr

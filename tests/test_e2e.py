@@ -11,20 +11,20 @@ import openai
 import pytest
 
 from pdflow.timeline import chrome_trace, kv_summary
-from pdflow.testing.server import PdflowServer
+from tests.conftest import shared_server
 
 pytestmark = pytest.mark.e2e
 
 # The same tests against both designs: disaggregated (tcp data plane) and the colocated worker
 # with chunked prefill.
-DEPLOYMENTS = {"disaggregated": {}, "colocated": {"mode": "colocated", "chunked_prefill_tokens": 64}}
+DEPLOYMENTS = ("disaggregated", "colocated")
 
 
-@pytest.fixture(scope="module", params=list(DEPLOYMENTS))
-def server(request, tmp_path_factory, model_dir):
-    with PdflowServer(tmp_path_factory.mktemp(request.param), **DEPLOYMENTS[request.param]) as running:
-        running.mode = request.param
-        yield running
+@pytest.fixture(scope="module", params=DEPLOYMENTS)
+def server(request):
+    running = shared_server(request, request.param)
+    running.mode = request.param
+    return running
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 QUESTIONS = [

@@ -12,7 +12,17 @@ import pytest
 
 from pdflow import Pipeline, PipelineError, Stage
 from pdflow.config.topology import TopologyError, parse_topology
-from pdflow.messages import ALL_MESSAGES, Cancel, Message, RequestFailed, Route, TextDelta, with_plugins
+from pdflow.messages import (
+    ALL_MESSAGES,
+    Cancel,
+    Message,
+    PrefillRequest,
+    RequestFailed,
+    Route,
+    SamplingParams,
+    TextDelta,
+    with_plugins,
+)
 from pdflow.routing import ReplicaStatus, RoutingRequest, create
 from pdflow.routing import registry as routers
 from pdflow.runtime.memory_bus import MemoryHub
@@ -181,3 +191,56 @@ async def test_stage_on_a_memory_bus_fails_a_request_whose_handler_raises(tmp_pa
     await stage.deliver(Cancel("r2"), table)  # a cancel for a request it never saw...
     await stage.deliver(TextDelta("r2", "open", 0), table)  # ...keeps it from opening later
     assert "r2" not in stage.requests and hub.inbox("ingress", 0).empty()
+
+
+class _Routed(Stage):
+    """Opens on a PrefillRequest (from ingress, with the request's route); echoes TextDeltas."""
+
+    kind = "routed"
+    opens = (PrefillRequest,)
+
+    def handlers(self):
+        return {PrefillRequest: self.on_open, TextDelta: self.on_text}
+
+    def on_open(self, request: PrefillRequest) -> None:
+        self.requests.open(request.request_id, request)  # a PrefillRequest carries its route
+
+    async def on_text(self, delta: TextDelta) -> None:
+        await self.bus.send("ingress", 0, delta)
+
+
+async def test_only_replicas_on_a_request_s_route_may_act_on_it(tmp_path):
+    """Where the bus names senders, a message about a request is taken only from a replica on its
+    route (an opening message: on the route it carries); ingress alone may cancel a request not
+    open here yet; messages that came early are checked when it opens."""
+    pipeline = Pipeline.default().with_stage("routed", _Routed).with_stage_config("decode", outputs={"tokens": "routed"})
+    hub = MemoryHub({"ingress": 1, "routed": 1, "decode": 2}, pipeline.message_types())
+    stage = _Routed(StageContext(pipeline, "routed", 0, tmp_path), hub.bus("routed"))
+    ingress = hub.bus("ingress")
+    table = stage.handlers()
+    route = Route({"ingress": 0, "routed": 0, "decode": 1, "egress": 0})
+    assert stage.upstream == {"decode"}  # the one stage wired to it
+    sampling = SamplingParams(max_tokens=4)
+
+    await stage.deliver(TextDelta("r1", "early, from decode-1", 0), table, ("decode", 1))
+    await stage.deliver(TextDelta("r1", "early, from decode-0", 0), table, ("decode", 0))
+    await stage.deliver(PrefillRequest("r1", [1, 2], sampling, route), table, ("egress", 0))  # not on its route
+    assert "r1" not in stage.requests and stage.forged.count == 1
+    await stage.deliver(PrefillRequest("r1", [1, 2], sampling, route), table, ("ingress", 0))
+    assert "r1" in stage.requests
+    assert await asyncio.wait_for(ingress.recv(), 1) == TextDelta("r1", "early, from decode-1", 0)
+    assert stage.forged.count == 2 and hub.inbox("ingress", 0).empty()  # decode-0's was dropped
+
+    await stage.deliver(TextDelta("r1", "from decode-1", 1), table, ("decode", 1))
+    await stage.deliver(TextDelta("r1", "from decode-0", 1), table, ("decode", 0))
+    assert await asyncio.wait_for(ingress.recv(), 1) == TextDelta("r1", "from decode-1", 1)
+    assert stage.forged.count == 3 and hub.inbox("ingress", 0).empty()
+
+    await stage.deliver(TextDelta("r1", "from egress-0", 2), table, ("egress", 0))  # on the route, not wired here
+    assert stage.forged.count == 4 and hub.inbox("ingress", 0).empty()
+
+    await stage.deliver(Cancel("r1", "forged"), table, ("decode", 1))  # on the route and wired, not ingress
+    await stage.deliver(Cancel("r9", "forged"), table, ("decode", 1))  # not known: only ingress may
+    assert "r1" in stage.requests and not stage.requests.is_over("r9") and stage.forged.count == 6
+    await stage.deliver(Cancel("r1", "client gone"), table, ("ingress", 0))
+    assert "r1" not in stage.requests and stage.requests.is_over("r1")

@@ -1,6 +1,12 @@
 """Prefix reuse end to end: multi-turn chat and questions over one document give the same greedy
 answers with the KV store as without it, alone and 16 at a time, report cached tokens the OpenAI
-way, and leave no lease behind (stats read from /health)."""
+way, and leave no lease behind (stats read from /health).
+
+The answers without reuse come from the engine in this process, computed as a disaggregated
+pipeline without a store computes them (the whole prompt prefilled, then decoded in a batch):
+tests/test_engine.py checks that this equals the model's own generate(), and test_e2e that the
+pipeline's answers equal it.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from pdflow.testing.server import PdflowServer
+from tests.conftest import shared_server
 
 pytestmark = pytest.mark.e2e
 
@@ -68,28 +74,54 @@ def _settled_stats(url: str, stage: str) -> dict:
     return _store_stats(url, stage)
 
 
+class _Engine:
+    """Greedy answers from the engine in this process, without any cache: a stand-in for the
+    OpenAI client in :func:`_workload` (the same ``chat.completions.create`` shape)."""
+
+    def __init__(self, model_dir):
+        from pdflow.engine import load_model, load_tokenizer
+
+        self.loaded, self.tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+        self.chat = self.completions = self
+
+    def create(self, model, messages, temperature, max_tokens):
+        from types import SimpleNamespace
+
+        from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
+        from pdflow.messages import SamplingParams
+
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        kv = {}
+        sampler = Sampler(SamplingParams(max_tokens=max_tokens, temperature=temperature))
+        first = prefill(self.loaded, ids, sampler,
+                        lambda layer, k, v: kv.__setitem__(layer, (k.transpose(0, 1), v.transpose(0, 1))))
+        tokens = [first.first_token]
+        batch = DecodeBatch(self.loaded, max_batch=1)
+        sequence = Sequence("reference", len(ids), first.first_token, sampler)
+        batch.add(sequence, kv.__getitem__)
+        while len(tokens) < max_tokens and tokens[-1] not in self.loaded.eos_token_ids:
+            tokens.extend(token for _, token in batch.step())
+        text = self.tokenizer.decode([t for t in tokens if t not in self.loaded.eos_token_ids],
+                                     skip_special_tokens=True)
+        usage = SimpleNamespace(prompt_tokens=len(ids), prompt_tokens_details=SimpleNamespace(cached_tokens=0))
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=text))], usage=usage)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, model_dir):
-    """The answers without reuse (prefix_cache = false)."""
-    with PdflowServer(tmp_path_factory.mktemp("no-reuse"), kv={"prefix_cache": False}) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        done = _workload(client)
-        assert all(cached == 0 for *_, cached in done)
-        stats = _settled_stats(server.url, "kv-shuttle-0")
-        assert stats["lookups"] == 0 and stats["blocks_cached"] == 0 and stats["leases"] == 0
-        return done
+def reference(model_dir):
+    """The answers without reuse."""
+    return _workload(_Engine(model_dir))
 
 
-DEPLOYMENTS = {"disaggregated": ({}, "kv-shuttle-0"),
-               "colocated": ({"mode": "colocated", "chunked_prefill_tokens": 64}, "worker-0")}
+DEPLOYMENTS = {"disaggregated": "kv-shuttle-0", "colocated": "worker-0"}  # -> the stage holding the store
 
 
 @pytest.fixture(scope="module", params=list(DEPLOYMENTS))
-def reusing(request, tmp_path_factory, model_dir):
-    options, stage = DEPLOYMENTS[request.param]
-    with PdflowServer(tmp_path_factory.mktemp(request.param), **options) as server:
-        server.store_stage = stage
-        yield server
+def reusing(request):
+    server = shared_server(request, request.param)
+    server.store_stage = DEPLOYMENTS[request.param]
+    return server
 
 
 def test_reuse_gives_the_same_answers_and_reports_cached_tokens(reusing, reference):

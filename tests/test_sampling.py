@@ -184,3 +184,25 @@ def test_context_limit_is_length() -> None:
 @pytest.mark.parametrize("token", [0, 1, 3, 49151, 49153])
 def test_otherwise_none(token: int) -> None:
     assert reason(token, generated=1, total_len=11, max_context=2048, max_tokens=16) is None
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_p=5e-324),  # rounds to 0 in float32
+    SamplingParams(temperature=1e-300),  # divides to inf
+    SamplingParams(temperature=2.0, top_p=5e-324, top_k=1),
+    SamplingParams(temperature=2.0, top_k=2**31 - 1, seed=2**64 - 1),
+    SamplingParams(temperature=1.0, seed=-(2**63)),
+])
+def test_edge_values_the_api_accepts_always_sample(params: SamplingParams) -> None:
+    """Every value the HTTP API accepts gives a token, never a sampler error."""
+    logits = torch.tensor([1.0, 1.1, 0.9, 1.05, 0.95]) * 1e4  # large logits: overflow if not shifted
+    tokens = draw(params, logits, 20)
+    assert all(0 <= t < 5 for t in tokens)
+    if params.top_p < 1e-300 or params.temperature < 1e-5:
+        assert set(tokens) == {1}  # the argmax, as greedy would pick
+
+
+def test_logits_that_are_not_finite_fall_back_to_the_argmax() -> None:
+    logits = torch.tensor([0.0, float("inf"), 1.0, float("nan")])
+    assert Sampler(SamplingParams(temperature=1.0, seed=1)).sample(logits) in range(4)
+    assert Sampler(SamplingParams(temperature=1.0, seed=1)).sample(torch.tensor([0.0, float("inf"), 1.0])) == 1

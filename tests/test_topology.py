@@ -160,6 +160,14 @@ BAD_FILES = [
      "limits.shutdown_grace_s", 2, "expected a number >= 0 and < 10, got 10"),
     ("stage not a table", ["[stages]", "decode = 3"], "stages.decode", 2, "expected a table, got integer 3"),
     ("inline stage table", ["[stages]", "decode = { replicas = 0 }"], "stages.decode.replicas", 2, ">= 1, got 0"),
+    ("body limit without a unit", ["[server]", 'max_body_bytes = "4M"'], "server.max_body_bytes", 2,
+     "unknown unit 'M'"),
+    ("header timeout zero", ["[server]", "header_timeout_s = 0"], "server.header_timeout_s", 2, "> 0, got 0"),
+    ("unknown server key", ["[server]", "api_key = 'x'"], "server.api_key", 2, "unknown key"),
+    ("secret file and env", ["[security]", 'secret_file = "k"', 'secret_env = "K"'], "security.secret_env", 3,
+     "not both"),
+    ("authenticate not a bool", ["[security]", 'authenticate = "no"'], "security.authenticate", 2,
+     "expected true or false"),
 ]
 
 

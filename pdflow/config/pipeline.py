@@ -59,8 +59,33 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
+    """The HTTP API. ``max_body_bytes``: a larger request body is refused (413) before it is
+    read; ``header_timeout_s``: a connection that has not sent a request's headers by then is
+    closed."""
+
     host: str = "127.0.0.1"
     port: int = 8000
+    max_body_bytes: int = 4 * 2**20
+    header_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """Who may speak to the pipeline.
+
+    ``secret_file`` / ``secret_env``: where the pipeline secret is (hex, as ``pdflow keys new``
+    writes it); the launchers of every host must read the same one. Neither: a fresh secret for
+    each run, which no other process can learn. ``api_key_file`` / ``api_key_env``: the key HTTP
+    clients must send (``Authorization: Bearer <key>``); neither, and no ``pdflow run
+    --api-key``: the API is open. ``authenticate = false`` turns the control plane's CURVE and
+    the data plane's proof off (to measure what they cost; never on a shared machine).
+    """
+
+    secret_file: Path | None = None
+    secret_env: str = ""
+    api_key_file: Path | None = None
+    api_key_env: str = ""
+    authenticate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +216,7 @@ class Pipeline:
     engine: EngineConfig = EngineConfig()
     router: RouterConfig = RouterConfig()
     kv: KvConfig = KvConfig()
+    security: SecurityConfig = SecurityConfig()
     path: Path | None = None  # the topology file it came from (absolute), if any
 
     # --- building in code ----------------------------------------------------------------------
@@ -239,6 +265,10 @@ class Pipeline:
         """The KV store's settings changed, e.g. ``with_kv(prefix_cache=False)``."""
         return dataclasses.replace(self, kv=dataclasses.replace(self.kv, **changes))
 
+    def with_security(self, **changes: Any) -> Pipeline:
+        """Who may speak to it changed, e.g. ``with_security(api_key_env="MY_KEY")``."""
+        return dataclasses.replace(self, security=dataclasses.replace(self.security, **changes))
+
     def with_router(self, policy: str | type, **options: Any) -> Pipeline:
         return dataclasses.replace(self, router=RouterConfig(policy, options))
 
@@ -258,7 +288,7 @@ class Pipeline:
                 changes["data_port"] = port
                 port += stage.replicas
             stages[name] = dataclasses.replace(stage, **changes)
-        return dataclasses.replace(self, server=ServerConfig(self.server.host, base),
+        return dataclasses.replace(self, server=dataclasses.replace(self.server, port=base),
                                    control=ControlConfig(self.control.host, base + 1), stages=stages)
 
     # --- reading ---------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from pdflow.config.pipeline import (
     Pipeline,
     PipelineError,
     RouterConfig,
+    SecurityConfig,
     ServerConfig,
     StageConfig,
     default_stage,
@@ -67,13 +68,14 @@ def parse_topology(text: str, path: Path) -> Pipeline:
     except tomllib.TOMLDecodeError as e:
         raise syntax_error(path, lines, e, text) from None
     r = TableReader(path, lines)
-    r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "router", "kv", "stages", "links"))
+    r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "router", "kv", "security", "stages",
+                             "links"))
     engine = _engine(r, r.table(raw, "", "engine", ("mode", "kv_streaming", "chunked_prefill_tokens")))
     stages = _stage_tables(r, raw)
     pipeline = Pipeline(
         path=path.absolute(),
         model=_model(r, r.table(raw, "", "model", ("source", "dtype", "served_name")), path),
-        server=ServerConfig(**_endpoint(r, raw, "server", ServerConfig())),
+        server=_server(r, r.table(raw, "", "server", [f.name for f in fields(ServerConfig)])),
         control=ControlConfig(**_endpoint(r, raw, "control", ControlConfig(), max_port=65534)),
         limits=_limits(r, r.table(raw, "", "limits", [f.name for f in fields(Limits)])),
         stages=_stages(r, stages, engine.mode),
@@ -81,6 +83,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
         engine=engine,
         router=_router(r, r.table(raw, "", "router", ("policy", "options"))),
         kv=_kv(r, r.table(raw, "", "kv", [f.name for f in fields(KvConfig)])),
+        security=_security(r, r.table(raw, "", "security", [f.name for f in fields(SecurityConfig)]), path),
     )
     if pipeline.colocated and raw.get("links"):
         raise r.error("links", "a colocated topology has no data-plane links (its worker keeps the KV); "
@@ -112,6 +115,39 @@ def _model(r: TableReader, t: dict[str, Any], topology_path: Path) -> ModelConfi
     if not (path / "config.json").is_file():
         raise r.error("model.source", f"{path} has no config.json; expected a Hugging Face model directory")
     return ModelConfig(source, dtype, served_name or path.name, True, path)
+
+
+def _size(r: TableReader, t: dict[str, Any], table: str, name: str, default: int) -> int:
+    """A size in bytes: ``"4GiB"`` or an integer."""
+    try:
+        return parse_size(t.get(name, default), name)
+    except ValueError as exc:
+        raise r.error(f"{table}.{name}", str(exc)) from None
+
+
+def _server(r: TableReader, t: dict[str, Any]) -> ServerConfig:
+    d = ServerConfig()
+    return ServerConfig(
+        **_endpoint(r, {"server": {k: v for k, v in t.items() if k in ("host", "port")}}, "server", d),
+        max_body_bytes=_size(r, t, "server", "max_body_bytes", d.max_body_bytes),
+        header_timeout_s=r.number(t, "server", "header_timeout_s", d.header_timeout_s, gt=0),
+    )
+
+
+def _security(r: TableReader, t: dict[str, Any], topology_path: Path) -> SecurityConfig:
+    d = SecurityConfig()
+    files = {}
+    for name in ("secret_file", "api_key_file"):
+        value = r.string(t, "security", name, "")
+        files[name] = (topology_path.absolute().parent / Path(value).expanduser()) if value else None
+    for file, env in (("secret_file", "secret_env"), ("api_key_file", "api_key_env")):
+        if files[file] is not None and t.get(env):
+            raise r.error(f"security.{env}", f"set security.{file} or security.{env}, not both")
+    return SecurityConfig(
+        secret_file=files["secret_file"], secret_env=r.string(t, "security", "secret_env", d.secret_env),
+        api_key_file=files["api_key_file"], api_key_env=r.string(t, "security", "api_key_env", d.api_key_env),
+        authenticate=r.boolean(t, "security", "authenticate", d.authenticate),
+    )
 
 
 def _endpoint(r: TableReader, raw: dict[str, Any], name: str, default: Any, max_port: int = 65535) -> dict:
@@ -147,10 +183,7 @@ def _heartbeat_timeout(r: TableReader, t: dict[str, Any], interval: float) -> fl
 
 def _kv(r: TableReader, t: dict[str, Any]) -> KvConfig:
     d = KvConfig()
-    try:
-        store_bytes = parse_size(t.get("store_bytes", d.store_bytes), "store_bytes")
-    except ValueError as exc:
-        raise r.error("kv.store_bytes", str(exc)) from None
+    store_bytes = _size(r, t, "kv", "store_bytes", d.store_bytes)
     high = r.number(t, "kv", "high_watermark", d.high_watermark, gt=0)
     low = r.number(t, "kv", "low_watermark", d.low_watermark, gt=0)
     if high > 1:

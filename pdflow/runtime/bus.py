@@ -9,6 +9,12 @@ The launcher has a PULL (ready, heartbeats, failures) and a PUB (stage down/up/s
 Every frame starts with the sender's protocol version (2 bytes). A frame of another version is
 refused, never decoded as ours: the receiver logs who sent it (from its Hello) and tells the
 launcher (:class:`~pdflow.messages.ProtocolRefused`), which stops the pipeline naming both versions.
+
+Nothing a peer sends ends a receive loop: a frame over :data:`MAX_FRAME_BYTES` is refused by
+ZeroMQ itself (the peer is disconnected), one that does not decode is dropped, logged (sparingly)
+and counted. With the pipeline's keys (:mod:`pdflow.security`) every socket speaks CURVE, only
+the pipeline's own processes can connect, and :meth:`Bus.recv_from` names the replica that sent
+each message, as the handshake proved it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import os
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import msgspec
 import structlog
@@ -35,11 +42,16 @@ from pdflow.messages import (
     check_hello,
     decoder,
 )
+from pdflow.security.curve import PipelineAuthenticator, as_client, as_server, sender_of
+from pdflow.security.keys import LAUNCHER, StageKeys, parse_identity
 
 log = structlog.get_logger()
 
 _HWM = 100_000  # messages queued per peer before send() waits: far above any batch we make
 _LINGER_MS = 500  # on close, give queued messages this long to leave
+MAX_FRAME_BYTES = 16 * 2**20  # far above any control message (a prompt of 1M token ids is 5 MiB)
+_LOGGED_DROPS = 20  # then one line per thousand
+Sender = tuple[str, int]  # (stage, replica); ("launcher", 0) for the launcher
 VERSION = struct.Struct(">H")
 _OURS = VERSION.pack(PROTOCOL_VERSION)
 FROM_LAUNCHER: tuple[type, ...] = (StageDown, StageUp, StageStatus)
@@ -53,12 +65,18 @@ def make_socket(
     connect: str | None = None,
     hwm: int = _HWM,
     linger_ms: int = _LINGER_MS,
+    secure: Callable[[zmq.Socket], None] | None = None,
 ) -> zmq.Socket:
-    """The one place sockets are made: high-water marks and linger set on purpose."""
+    """The one place sockets are made: high-water marks, linger and the largest frame set on
+    purpose; ``secure`` (from :func:`server_security` / :func:`client_security`) before it binds
+    or connects."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    if secure is not None:
+        secure(sock)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     if bind:
@@ -66,6 +84,35 @@ def make_socket(
     if connect:
         sock.connect(connect)
     return sock
+
+
+def server_security(keys: StageKeys | None) -> Callable[[zmq.Socket], None] | None:
+    return None if keys is None else (lambda sock: as_server(sock, keys))
+
+
+def client_security(keys: StageKeys | None, server: str) -> Callable[[zmq.Socket], None] | None:
+    return None if keys is None else (lambda sock: as_client(sock, keys, server))
+
+
+def sender_identity(frame: zmq.Frame) -> Sender | None:
+    """Who sent ``frame``, as the CURVE handshake proved it (None without CURVE)."""
+    name = sender_of(frame)
+    if name is None:
+        return None
+    return (LAUNCHER, 0) if name == LAUNCHER else parse_identity(name)
+
+
+class DropCounter:
+    """Counts frames dropped for one reason and logs the first few, then one in a thousand, so
+    that a flood of junk cannot flood the log."""
+
+    def __init__(self, event: str):
+        self.event, self.count = event, 0
+
+    def drop(self, **fields) -> None:
+        self.count += 1
+        if self.count <= _LOGGED_DROPS or self.count % 1000 == 0:
+            log.warning(self.event, dropped=self.count, **fields)
 
 
 class Framing:
@@ -95,7 +142,7 @@ class Framing:
         to name its sender; None when the frame holds something else."""
         try:
             return msgspec.msgpack.decode(memoryview(frame)[2:], type=cls)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except Exception:  # anything hostile bytes make msgspec raise
             return None
 
 
@@ -125,7 +172,16 @@ class Bus(ABC):
     async def send_launcher(self, message: Message) -> None: ...
 
     @abstractmethod
-    async def recv(self) -> Message: ...
+    async def recv_from(self) -> tuple[Sender | None, Message]:
+        """The next message for this stage and who sent it: ``(stage, replica)`` as the plane
+        authenticated it, or None where the plane cannot say (no keys, or in one process)."""
+
+    async def recv(self) -> Message:
+        return (await self.recv_from())[1]
+
+    def counters(self) -> dict[str, int]:
+        """What the bus refused or dropped, for the stage's heartbeat."""
+        return {}
 
     @abstractmethod
     async def recv_launcher(self) -> Message: ...
@@ -137,9 +193,13 @@ class Bus(ABC):
 class ZmqBus(Bus):
     """The bus of a stage process: ZeroMQ sockets to its peers and the launcher."""
 
-    def __init__(self, pipeline, stage: str, replica: int, types: tuple[type, ...] | None = None):
+    def __init__(self, pipeline, stage: str, replica: int, types: tuple[type, ...] | None = None,
+                 keys: StageKeys | None = None):
         self.pipeline, self.stage, self.replica = pipeline, stage, replica
+        self.keys = keys
         self.ctx = zmq.asyncio.Context()
+        self.authenticator: PipelineAuthenticator | None = None
+        self.malformed = DropCounter("bus.message.malformed")
         self.framing = Framing(types or pipeline.message_types())
         self._launcher_framing = Framing(FROM_LAUNCHER)
         self._peers: dict[tuple[str, int], zmq.asyncio.Socket] = {}
@@ -149,17 +209,22 @@ class ZmqBus(Bus):
         self.from_launcher: zmq.asyncio.Socket | None = None
 
     def start(self) -> None:
+        if self.keys is not None:
+            self.authenticator = PipelineAuthenticator(self.ctx, self.keys)
+            self.authenticator.start()
         address = self.pipeline.stages[self.stage].control_address(self.replica)
-        self.inbox = make_socket(self.ctx, zmq.PULL, bind=address)
+        self.inbox = make_socket(self.ctx, zmq.PULL, bind=address, secure=server_security(self.keys))
         control = self.pipeline.control
-        self.to_launcher = make_socket(self.ctx, zmq.PUSH, connect=control.pull_address)
-        self.from_launcher = make_socket(self.ctx, zmq.SUB, connect=control.pub_address)
+        to_launcher = client_security(self.keys, LAUNCHER)
+        self.to_launcher = make_socket(self.ctx, zmq.PUSH, connect=control.pull_address, secure=to_launcher)
+        self.from_launcher = make_socket(self.ctx, zmq.SUB, connect=control.pub_address, secure=to_launcher)
 
     def _peer(self, stage: str, replica: int) -> zmq.asyncio.Socket:
         sock = self._peers.get((stage, replica))
         if sock is None:
             address = self.pipeline.stages[stage].control_address(replica)
-            sock = make_socket(self.ctx, zmq.PUSH, connect=address)
+            secure = client_security(self.keys, f"{stage}/{replica}")
+            sock = make_socket(self.ctx, zmq.PUSH, connect=address, secure=secure)
             sock.send(self.framing.encode(Hello(PROTOCOL_VERSION, self.stage, self.replica, os.getpid())))
             self._peers[(stage, replica)] = sock
         return sock
@@ -175,26 +240,36 @@ class ZmqBus(Bus):
     async def send_launcher(self, message: Message) -> None:
         await self.to_launcher.send(self.framing.encode(message))
 
-    async def recv(self) -> Message:
+    async def recv_from(self) -> tuple[Sender | None, Message]:
         while True:
-            frame = await self.inbox.recv()
+            received = await self.inbox.recv(copy=False)
+            sender = sender_identity(received) if self.keys is not None else None
+            frame = received.bytes
             try:
                 message = self.framing.decode(frame)
             except ProtocolMismatch:
-                await self._refuse(frame)
+                await self._refuse(frame, sender)
                 continue
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.error("bus.message.malformed", bytes=len(frame), error=str(exc))
+            except Exception as exc:  # whatever hostile bytes make msgspec raise: this frame only
+                self.malformed.drop(bytes=len(frame), sender=sender, error=str(exc)[:200])
                 continue
             if isinstance(message, Hello):
                 continue  # same version (checked above): nothing more to know
-            return message
+            return sender, message
 
-    async def _refuse(self, frame: bytes) -> None:
+    def counters(self) -> dict[str, int]:
+        counts = {"control_malformed": self.malformed.count}
+        if self.authenticator is not None:
+            counts["control_refused_peers"] = self.authenticator.refused
+        return counts
+
+    async def _refuse(self, frame: bytes, sender: Sender | None) -> None:
+        """A frame of another version: reported to the launcher (which stops the pipeline) only
+        when it is the greeting of a replica of this pipeline, from that replica."""
         hello = self.framing.foreign(frame, Hello)
-        if hello is None:
-            log.error("protocol.mismatch", error=f"refused a message of pdflow protocol "
-                      f"{self.framing.version_of(frame)}, this process speaks {PROTOCOL_VERSION}")
+        if hello is None or sender not in (None, (hello.stage, hello.replica)):
+            self.malformed.drop(bytes=len(frame), sender=sender, error=f"a frame of pdflow protocol "
+                                f"{self.framing.version_of(frame)}, this process speaks {PROTOCOL_VERSION}")
             return
         try:
             check_hello(hello)
@@ -206,10 +281,18 @@ class ZmqBus(Bus):
                 await self.send_launcher(ProtocolRefused(self.stage, self.replica, str(exc)))
 
     async def recv_launcher(self) -> Message:
-        frame = await self.from_launcher.recv()
-        return self._launcher_framing.decode(frame)  # ProtocolMismatch: the stage cannot go on
+        while True:
+            frame = await self.from_launcher.recv()
+            try:
+                return self._launcher_framing.decode(frame)
+            except ProtocolMismatch:
+                raise  # the launcher speaks another version: this stage cannot go on
+            except Exception as exc:
+                self.malformed.drop(bytes=len(frame), sender="launcher", error=str(exc)[:200])
 
     def close(self) -> None:
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.ctx.destroy(linger=_LINGER_MS)
 
 

@@ -5,6 +5,10 @@ Supervision: a replica is dead when its process exits or when no heartbeat came 
 ``heartbeat_timeout_s`` (then it is killed). Every stage hears ``StageDown`` at once, so ingress
 fails the requests that replica held; the replica is restarted (up to ``max_restarts`` times)
 and ``StageUp`` follows when it is ready again.
+
+The launcher holds the pipeline's keys (:mod:`pdflow.security`) and hands each replica its own
+through the spawn pipe. What arrives on its PULL is taken only from the replica it says it is
+from (as CURVE proved it); anything else, or anything that does not decode, is dropped and counted.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -34,9 +37,19 @@ from pdflow.messages import (
     StageStatus,
     StageUp,
 )
-from pdflow.runtime.bus import FROM_LAUNCHER, Framing, launcher_framing, make_socket
+from pdflow.runtime.bus import (
+    FROM_LAUNCHER,
+    DropCounter,
+    Framing,
+    launcher_framing,
+    make_socket,
+    sender_identity,
+    server_security,
+)
 from pdflow.runtime.process import StageLaunch
 from pdflow.runtime.process import main as stage_main
+from pdflow.security.curve import PipelineAuthenticator
+from pdflow.security.keys import PipelineKeys, pipeline_keys
 
 log = structlog.get_logger()
 _TICK_S = 0.1
@@ -62,8 +75,11 @@ class _Replica:
 
 
 class Launcher:
-    def __init__(self, topology: Pipeline, model_dir: Path, log_format: str = "console", log_level: str = "info"):
+    def __init__(self, topology: Pipeline, model_dir: Path, log_format: str = "console", log_level: str = "info",
+                 keys: PipelineKeys | None = None):
         self.topology, self.model_dir = topology, model_dir
+        self.keys = keys if keys is not None else pipeline_keys(topology)
+        self.authenticate = topology.security.authenticate
         self.log_format, self.log_level = log_format, log_level
         self.mp = multiprocessing.get_context("spawn")
         self.replicas = {key: _Replica(*key) for key in topology.replicas()}
@@ -71,13 +87,15 @@ class Launcher:
         self.fatal: str | None = None  # why the pipeline cannot run (a protocol mismatch): stop now
         self._encode = Framing(FROM_LAUNCHER).encode
         self._framing = launcher_framing()
+        self.malformed = DropCounter("launcher.message.malformed")
+        self.forged = DropCounter("launcher.message.forged")
 
     def _name(self, rep: _Replica) -> str:
         return f"{self.topology.stages[rep.stage].display_name}-{rep.replica}"
 
     def _start(self, rep: _Replica) -> None:
         launch = StageLaunch(self.topology, rep.stage, rep.replica, str(self.model_dir),
-                             self.log_format, self.log_level)
+                             self.log_format, self.log_level, self.keys.for_replica(rep.stage, rep.replica))
         rep.process = self.mp.Process(target=stage_main, args=(launch,), name=self._name(rep), daemon=True)
         rep.process.start()
         rep.ready, rep.restart_at = False, None
@@ -87,8 +105,13 @@ class Launcher:
     async def run(self) -> int:
         ctx = zmq.asyncio.Context()
         control = self.topology.control
-        self.pull = make_socket(ctx, zmq.PULL, bind=control.pull_address)
-        self.pub = make_socket(ctx, zmq.PUB, bind=control.pub_address)
+        own = self.keys.launcher() if self.authenticate else None
+        authenticator = None
+        if own is not None:
+            authenticator = PipelineAuthenticator(ctx, own)
+            authenticator.start()
+        self.pull = make_socket(ctx, zmq.PULL, bind=control.pull_address, secure=server_security(own))
+        self.pub = make_socket(ctx, zmq.PUB, bind=control.pub_address, secure=server_security(own))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop_requested.set)
@@ -102,6 +125,8 @@ class Launcher:
             return status
         finally:
             await self._stop_all()
+            if authenticator is not None:
+                authenticator.stop()
             ctx.destroy(linger=0)
 
     # --- messages from the stages ---------------------------------------------------------
@@ -110,17 +135,23 @@ class Launcher:
         """Handle every message that arrives within ``timeout_s`` (then what is already queued)."""
         timeout_ms = timeout_s * 1000
         while await self.pull.poll(timeout_ms):
-            frame = await self.pull.recv()
+            received = await self.pull.recv(copy=False)
+            timeout_ms = 0
+            frame = received.bytes
+            sender = sender_identity(received) if self.authenticate else None
             try:
                 message = self._framing.decode(frame)
             except ProtocolMismatch:
-                self._foreign(frame)
+                self._foreign(frame, sender)
                 continue
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.error("launcher.message.malformed", bytes=len(frame), error=str(exc))
+            except Exception as exc:  # whatever hostile bytes make msgspec raise: this frame only
+                self.malformed.drop(bytes=len(frame), error=str(exc)[:200])
+                continue
+            if sender is not None and sender != (message.stage, message.replica):
+                self.forged.drop(message=type(message).__name__, sender=sender,
+                                 claimed=(message.stage, message.replica))
                 continue
             await self._handle(message)
-            timeout_ms = 0
 
     def _mismatch(self, stage: str, theirs: int | None) -> None:
         self.fatal = (f"stage {stage} speaks pdflow protocol {theirs}, the launcher speaks {PROTOCOL_VERSION}: "
@@ -128,11 +159,18 @@ class Launcher:
         log.error("launcher.protocol_mismatch", stage=stage, theirs=theirs, ours=PROTOCOL_VERSION, error=self.fatal)
         self.stop_requested.set()
 
-    def _foreign(self, frame: bytes) -> None:
-        """A frame of another protocol version: name its sender if it is a Ready, and stop."""
+    def _foreign(self, frame: bytes, sender: tuple[str, int] | None = None) -> None:
+        """A frame of another protocol version: when it is the Ready of one of our replicas (from
+        that replica, where CURVE says who sent it), stop naming it; anything else is junk."""
         ready = Framing.foreign(frame, Ready)
-        stage = f"{ready.stage}-{ready.replica} (pid {ready.pid})" if ready else "a process"
-        self._mismatch(stage, ready.protocol_version if ready else Framing.version_of(frame))
+        if ready is None:
+            self.malformed.drop(bytes=len(frame), error=f"a frame of pdflow protocol {Framing.version_of(frame)}, "
+                                f"not a Ready")
+            return
+        if (ready.stage, ready.replica) not in self.replicas or sender not in (None, (ready.stage, ready.replica)):
+            self.forged.drop(message="Ready", sender=sender, claimed=(ready.stage, ready.replica))
+            return
+        self._mismatch(f"{ready.stage}-{ready.replica} (pid {ready.pid})", ready.protocol_version)
 
     async def _handle(self, message) -> None:
         rep = self.replicas.get((message.stage, message.replica))
@@ -279,11 +317,13 @@ class Launcher:
         sys.stdout.flush()
 
 
-def run(pipeline: Pipeline, *, log_format: str = "console", log_level: str = "info") -> int:
+def run(pipeline: Pipeline, *, log_format: str = "console", log_level: str = "info",
+        api_key: str | None = None) -> int:
     """Run ``pipeline`` as processes (one per stage replica) until SIGINT/SIGTERM; the exit status.
 
     What ``pdflow run topology.toml`` does, for a pipeline built in code. The pipeline is checked
-    first (PipelineError), and the model is pulled on first use.
+    first (PipelineError), its secret and API key read (SecretError), and the model is pulled on
+    first use. ``api_key``: the key HTTP clients must send (else the topology's, if any).
     """
     import uvloop
 
@@ -292,5 +332,6 @@ def run(pipeline: Pipeline, *, log_format: str = "console", log_level: str = "in
 
     pipeline.check()
     configure_logging(log_format, log_level, stage="launcher")
+    keys = pipeline_keys(pipeline, api_key)
     model_dir = resolve(str(pipeline.model.path or pipeline.model.source), progress=sys.stderr.isatty())
-    return uvloop.run(Launcher(pipeline, model_dir, log_format, log_level).run())
+    return uvloop.run(Launcher(pipeline, model_dir, log_format, log_level, keys).run())

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Callable
 
 from pdflow.messages import Message
-from pdflow.runtime.bus import FROM_LAUNCHER, Bus, Framing
+from pdflow.runtime.bus import FROM_LAUNCHER, Bus, Framing, Sender
 
 LAUNCHER = ("launcher", 0)
 
@@ -26,21 +26,23 @@ class MemoryHub:
     def __init__(self, replicas: dict[str, int], types: tuple[type, ...]):
         self.replicas = dict(replicas)
         self.framing = Framing(types)
-        self.inboxes: dict[tuple[str, int], asyncio.Queue[bytes]] = {}
+        self.inboxes: dict[tuple[str, int], asyncio.Queue[tuple[Sender | None, bytes]]] = {}
         self.subscribers: list[asyncio.Queue[bytes]] = []  # the launcher's PUB, one queue per bus
         self._launcher_framing = Framing(FROM_LAUNCHER)
         self.tap: Callable[[str, int, Message], None] | None = None  # sees every message sent
 
-    def inbox(self, stage: str, replica: int) -> asyncio.Queue[bytes]:
+    def inbox(self, stage: str, replica: int) -> asyncio.Queue[tuple[Sender | None, bytes]]:
         return self.inboxes.setdefault((stage, replica), asyncio.Queue())
 
     def bus(self, stage: str, replica: int = 0) -> MemoryBus:
         return MemoryBus(self, stage, replica)
 
-    def put(self, stage: str, replica: int, message: Message) -> None:
+    def put(self, stage: str, replica: int, message: Message, sender: Sender | None = None) -> None:
+        """``message`` into the inbox of ``(stage, replica)``, from ``sender`` (None: unnamed, as
+        a test's hand-made message)."""
         if self.tap is not None:
             self.tap(stage, replica, message)
-        self.inbox(stage, replica).put_nowait(self.framing.encode(message))
+        self.inbox(stage, replica).put_nowait((sender, self.framing.encode(message)))
 
     def publish(self, message: Message) -> None:
         """What the launcher's PUB does: ``message`` to every bus's launcher inbox."""
@@ -50,7 +52,7 @@ class MemoryHub:
 
     async def recv_launcher(self) -> Message:
         """The next stage -> launcher message (Ready, Heartbeat, StageFailed, ProtocolRefused)."""
-        return self.framing.decode(await self.inbox(*LAUNCHER).get())
+        return self.framing.decode((await self.inbox(*LAUNCHER).get())[1])
 
 
 class MemoryBus(Bus):
@@ -64,17 +66,18 @@ class MemoryBus(Bus):
         pass
 
     async def send(self, stage: str, replica: int, message: Message) -> None:
-        self.hub.put(stage, replica, message)
+        self.hub.put(stage, replica, message, (self.stage, self.replica))
 
     async def broadcast(self, stage: str, message: Message) -> None:
         for replica in range(self.hub.replicas.get(stage, 1)):
-            self.hub.put(stage, replica, message)
+            self.hub.put(stage, replica, message, (self.stage, self.replica))
 
     async def send_launcher(self, message: Message) -> None:
-        self.hub.put(*LAUNCHER, message)
+        self.hub.put(*LAUNCHER, message, (self.stage, self.replica))
 
-    async def recv(self) -> Message:
-        return self.hub.framing.decode(await self._inbox.get())
+    async def recv_from(self) -> tuple[Sender | None, Message]:
+        sender, frame = await self._inbox.get()
+        return sender, self.hub.framing.decode(frame)
 
     async def recv_launcher(self) -> Message:
         return self.hub._launcher_framing.decode(await self._from_launcher.get())

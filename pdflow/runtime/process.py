@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdflow.config.pipeline import Pipeline
+    from pdflow.security.keys import StageKeys
 
 _PR_SET_PDEATHSIG = 1
 
@@ -30,6 +31,11 @@ class StageLaunch:
     model_dir: str
     log_format: str = "console"
     log_level: str = "info"
+    keys: StageKeys | None = None  # this replica's (None: the pipeline runs without authentication)
+
+    @property
+    def bus_keys(self) -> StageKeys | None:
+        return self.keys if self.pipeline.security.authenticate else None
 
 
 def _die_with_parent() -> None:
@@ -78,7 +84,9 @@ def main(launch: StageLaunch) -> None:
         from pdflow.runtime.stage import StageContext
 
         ctx = StageContext(topology, launch.stage, launch.replica, Path(launch.model_dir))
-        stage = topology.stage_class(launch.stage)(ctx, ZmqBus(topology, launch.stage, launch.replica))
+        bus = ZmqBus(topology, launch.stage, launch.replica, keys=launch.bus_keys)
+        stage = topology.stage_class(launch.stage)(ctx, bus)
+        stage.keys = launch.keys
         uvloop.run(_serve(stage))
     except Exception as exc:
         log.error("stage.crashed", error=repr(exc), traceback=traceback.format_exc())
@@ -108,11 +116,13 @@ def _report_failure(topology, launch: StageLaunch, error: str) -> None:
     import zmq
 
     from pdflow.messages import StageFailed
-    from pdflow.runtime.bus import launcher_framing, make_socket
+    from pdflow.runtime.bus import client_security, launcher_framing, make_socket
+    from pdflow.security.keys import LAUNCHER
 
     ctx = zmq.Context()
     try:
-        sock = make_socket(ctx, zmq.PUSH, connect=topology.control.pull_address, linger_ms=1000)
+        sock = make_socket(ctx, zmq.PUSH, connect=topology.control.pull_address, linger_ms=1000,
+                           secure=client_security(launch.bus_keys, LAUNCHER))
         sock.send(launcher_framing().encode(StageFailed(launch.stage, launch.replica, error)))
         sock.close()
     finally:

@@ -14,7 +14,12 @@ before any handler runs, for every message with a ``request_id``:
 - a message for a request not yet open is held (bounded, with a deadline) unless its type is in
   :attr:`Stage.opens`; once the opening handler has run, what was held is delivered in order;
 - a handler that raises fails that request: ingress gets :class:`~pdflow.messages.RequestFailed`
-  at once (the client an error), and the request is cancelled here.
+  at once (the client an error), and the request is cancelled here;
+- where the bus names the sender (CURVE), a message about a request is taken only from a replica
+  on that request's route, of a stage that may send it here: ingress (which admits and cancels),
+  a stage whose output the pipeline wires to this one, or, for a RequestFailed, any stage. Only
+  ingress cancels. Anything else is dropped and counted (``forged``), so no process can act on
+  a request that is not its own.
 """
 
 from __future__ import annotations
@@ -42,11 +47,12 @@ from pdflow.messages import (
     StageStatus,
     StageUp,
 )
-from pdflow.runtime.bus import Bus
+from pdflow.runtime.bus import Bus, DropCounter, Sender
 from pdflow.runtime.requests import RequestTable, TableLimits
 
 if TYPE_CHECKING:
     from pdflow.config.pipeline import Pipeline, StageConfig
+    from pdflow.security.keys import StageKeys
 
 Handler = Callable[[Any], Awaitable[None] | None]
 
@@ -94,6 +100,7 @@ class Stage:
     stateless: ClassVar[bool] = False
     receives_kv: ClassVar[bool] = False
     default_port: ClassVar[int | None] = None
+    keys: StageKeys | None = None  # this replica's keys, when it runs as a process of a launcher
 
     def __init__(self, ctx: StageContext, bus: Bus):
         self.ctx = ctx
@@ -108,6 +115,8 @@ class Stage:
         self.stopping = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.crashed: BaseException | None = None
+        self.forged = DropCounter("bus.message.forged")
+        self.upstream = wired_to(ctx.pipeline, ctx.stage)
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> Message | None:
@@ -251,19 +260,40 @@ class Stage:
         if self.crashed is not None:
             raise RuntimeError("an essential loop of the stage ended") from self.crashed
 
-    async def deliver(self, message: Message, table: dict[type, Handler] | None = None) -> None:
+    def may_act(self, sender: Sender | None, message: Message, request_id: str) -> bool:
+        """May ``sender`` act on request ``request_id`` here (see the module doc)?"""
+        if sender is None:
+            return True  # a plane that cannot name senders (one process): nothing to check
+        stage, replica = sender
+        if stage != "ingress" and (type(message) is Cancel or
+                                   (stage not in self.upstream and type(message) is not RequestFailed)):
+            return False
+        state = self.requests.get(request_id)
+        if state is not None and not hasattr(state, "route"):
+            return True  # a plug-in stage whose state keeps no route: it cannot be checked
+        route = state.route if state is not None else getattr(message, "route", None)
+        if route is None or not route.replicas:
+            return stage == "ingress"  # not known here yet: only ingress (an early Cancel) may act
+        return route.replicas.get(stage) == replica
+
+    async def deliver(self, message: Message, table: dict[type, Handler] | None = None,
+                      sender: Sender | None = None) -> None:
         """Apply the request table to ``message``, then run its handler (see the module doc)."""
         table = self.handlers() if table is None else table
         kind = type(message)
         request_id = None if self.stateless else getattr(message, "request_id", None)
         if request_id is not None:
+            if (kind is Cancel or request_id in self.requests or kind in self.opens) and \
+                    not self.may_act(sender, message, request_id):
+                self.forged.drop(message=kind.__name__, request_id=request_id, sender=sender)
+                return
             if kind is Cancel:
                 await self.cancel(request_id, message.reason)
                 return
             if self.requests.is_over(request_id):
                 return  # late: the request ended here
             if kind not in self.opens and request_id not in self.requests:
-                self.requests.hold(request_id, message)
+                self.requests.hold(request_id, (sender, message))  # checked when it opens
                 return
         handler = table.get(kind)
         if handler is None:
@@ -284,13 +314,14 @@ class Stage:
                 if not self.requests.is_over(request_id):
                     self.requests.end(request_id)  # not opened after all: what was held is moot
                 return
-            for held in early:
-                await self.deliver(held, table)
+            for held_sender, held in early:
+                await self.deliver(held, table, held_sender)
 
     async def _inbox_loop(self) -> None:
         table = self.handlers()
         while True:
-            await self.deliver(await self.bus.recv(), table)
+            sender, message = await self.bus.recv_from()
+            await self.deliver(message, table, sender)
 
     async def _launcher_loop(self) -> None:
         table = {StageDown: self.on_stage_down, StageUp: self.on_stage_up, StageStatus: self.on_stage_status}
@@ -307,10 +338,21 @@ class Stage:
     async def _heartbeat_loop(self) -> None:
         seq = 0
         while True:
-            await self.bus.send_launcher(Heartbeat(self.ctx.stage, self.replica, seq, self.in_flight(), self.stats()))
+            stats = {**self.stats(), **self.bus.counters(), "control_forged": self.forged.count}
+            await self.bus.send_launcher(Heartbeat(self.ctx.stage, self.replica, seq, self.in_flight(), stats))
             self.requests.expire()
             seq += 1
             await asyncio.sleep(self.limits.heartbeat_interval_s)
+
+
+def wired_to(pipeline: Pipeline, stage: str) -> frozenset[str]:
+    """The stages with an output that the pipeline wires to ``stage``."""
+    found = set()
+    for name, config in pipeline.stages.items():
+        outputs = pipeline.stage_class(name).outputs
+        if stage in {config.outputs.get(output) or target for output, target in outputs.items()}:
+            found.add(name)
+    return frozenset(found)
 
 
 async def _call(handler: Callable[..., Awaitable[None] | None], *args: Any) -> None:

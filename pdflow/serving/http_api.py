@@ -1,8 +1,16 @@
-"""The OpenAI-compatible HTTP API that ingress serves (FastAPI; OpenAPI document at /docs)."""
+"""The OpenAI-compatible HTTP API that ingress serves (FastAPI; OpenAPI document at
+``/openapi.json``, rendered at ``/docs``).
+
+Every refusal is a 4xx in OpenAI's error format naming the field at fault: a missing or wrong API
+key (401), a body over ``server.max_body_bytes`` (413, refused before it is read), a bad field
+(400), too many requests in flight (429). Prompts are templated and tokenized off the event loop
+(:mod:`pdflow.serving.prompts`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 
 from fastapi import FastAPI, Request
@@ -26,19 +34,52 @@ from pdflow.serving.openai_protocol import (
     sse,
     usage_chunk,
 )
+from pdflow.serving.openapi import install_openapi, route_doc
 
 
-def _body_schema(model) -> dict:
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+_OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body; ApiError 413 as soon as it is known to exceed ``limit`` bytes."""
+    def too_large(size: str) -> ApiError:
+        return ApiError(f"body: the request body has {size} bytes; this server takes at most {limit} "
+                        "(server.max_body_bytes)", status=413, param="body", code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def build_app(ingress) -> FastAPI:
     app = FastAPI(title="pdflow", version=__version__, description="Disaggregated LLM inference")
+    api_key = getattr(ingress, "api_key", None)
+    limit = ingress.pipeline.server.max_body_bytes
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(error_body(exc), status_code=exc.status)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next):
+            if request.url.path not in _OPEN_PATHS:
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    error = ApiError("authorization: a valid API key is required (Authorization: Bearer <key>)",
+                                     status=401, param="authorization", code="invalid_api_key")
+                    return JSONResponse(error_body(error), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -66,24 +107,19 @@ def build_app(ingress) -> FastAPI:
                            status=404, param="request_id")
         return found
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", **route_doc(ChatCompletionRequest, "chat.completion"))
     async def chat_completions(request: Request):
-        req = parse_chat_request(await request.body())
-        prompt_ids = ingress.tokenizer.apply_chat_template(
-            req.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return await _serve(ingress, request, req, list(prompt_ids), chat=True)
+        req = parse_chat_request(await read_body(request, limit))
+        prompt_ids = await ingress.prompts.chat(req)
+        return await _serve(ingress, request, req, prompt_ids, chat=True)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    @app.post("/v1/completions", **route_doc(CompletionRequest, "text_completion"))
     async def completions(request: Request):
-        req = parse_completion_request(await request.body())
-        prompt = req.prompt
-        prompt_ids = prompt if isinstance(prompt, list) else ingress.tokenizer.encode(prompt)
-        vocab = len(ingress.tokenizer)
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ApiError(f"prompt: token ids must be in [0, {vocab})", param="prompt")
-        return await _serve(ingress, request, req, list(prompt_ids), chat=False)
+        req = parse_completion_request(await read_body(request, limit))
+        prompt_ids = await ingress.prompts.completion(req)
+        return await _serve(ingress, request, req, prompt_ids, chat=False)
 
+    install_openapi(app)
     return app
 
 
@@ -115,12 +151,16 @@ async def _serve(ingress, http: Request, req: ChatCompletionRequest | Completion
     params, s = _params(ingress, req, len(prompt_ids), chat)
     request_id = new_request_id(chat)
     pending = await ingress.submit(request_id, prompt_ids, params, s["stop"], s["skip_special_tokens"])
-    results = _results(ingress, pending)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(ingress, pending, results, chat, include_usage),
-                                 media_type="text/event-stream")
-    return await _collect(ingress, http, pending, results, chat)
+    try:
+        results = _results(ingress, pending)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(ingress, pending, results, chat, include_usage),
+                                     media_type="text/event-stream")
+        return await _collect(ingress, http, pending, results, chat)
+    except BaseException:  # whatever raised, the request holds no slot after it (idempotent)
+        ingress.cancel_request(pending, "failed")
+        raise
 
 
 async def _results(ingress, pending):

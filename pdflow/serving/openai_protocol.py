@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 _json_encode = msgspec.json.Encoder().encode
+
+# bounds of the integer fields: what the wire (msgpack: int64/uint64) and the engine can carry
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed's range
+INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_STOP_TOKEN_IDS = 256
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class ApiError(Exception):
@@ -46,13 +54,13 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)  # extension; 0 and -1 mean off
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # extension; 0 and -1 mean off
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: tuple[str, ...] = ()
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -72,8 +80,10 @@ class _Request(BaseModel):
             v = [v]
         if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
             raise ValueError("must be a string or a list of strings")
-        if len(v) > 4:
-            raise ValueError("at most 4 stop strings are allowed")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return tuple(s for s in v if s)  # an empty stop string would stop before the first token
 
     @field_validator("n")
@@ -128,7 +138,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -170,7 +180,7 @@ class CompletionRequest(_Request):
             raise ValueError("must not be empty")
         if all(isinstance(t, str) for t in v) or all(isinstance(t, list) for t in v):
             raise ValueError("only one prompt per request is supported")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in v):
             raise ValueError("a list prompt must hold non-negative token ids")
         return v
 

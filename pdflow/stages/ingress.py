@@ -14,7 +14,6 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-import uvicorn
 from transformers import AutoConfig
 
 from pdflow import routing
@@ -31,7 +30,10 @@ from pdflow.messages import (
 )
 from pdflow.routing import NoReplicaAvailable, ReplicaStatus, RoutingRequest
 from pdflow.runtime.stage import Stage, Submission
+from pdflow.security.keys import load_api_key
+from pdflow.serving.http_server import HttpServer, http_server
 from pdflow.serving.openai_protocol import ApiError
+from pdflow.serving.prompts import PromptBuilder
 
 _TIMELINES_KEPT = 1000
 
@@ -45,15 +47,9 @@ class PendingRequest:
     received: float = field(default_factory=time.monotonic)
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):  # the stage owns SIGTERM/SIGINT: it drains before uvicorn stops
-        yield
-
-
 class IngressStage(Stage):
     kind = "ingress"
-    server: _Server | None = None  # set once setup has started the HTTP server
+    server: HttpServer | None = None  # set once setup has started the HTTP server
 
     async def setup(self) -> None:
         from pdflow.serving.http_api import build_app
@@ -62,6 +58,8 @@ class IngressStage(Stage):
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir)
         self.max_context = int(getattr(config, "max_position_embeddings", 2048))
+        self.prompts = await asyncio.to_thread(PromptBuilder, self.tokenizer, self.max_context)
+        self.api_key = self.keys.api_key if self.keys is not None else load_api_key(self.pipeline.security)
         self.served_name = self.pipeline.model.served_name
         self.timelines: OrderedDict[str, dict] = OrderedDict()
         self.down: set[tuple[str, int]] = set()
@@ -73,17 +71,17 @@ class IngressStage(Stage):
         self.admitted_by = [(name, self.pipeline.stage_class(name)) for name in reversed(self.routed)]
         self.router = routing.create(self.pipeline.router.policy, self.pipeline.router.options)
         server = self.pipeline.server
-        config = uvicorn.Config(
-            build_app(self), host=server.host, port=server.port, loop="none", lifespan="off",
-            log_level="warning", timeout_graceful_shutdown=1,
-        )
-        self.server = _Server(config)
+        self.server = http_server(build_app(self), server.host, server.port, server.header_timeout_s)
         self.server_task = self.spawn(self.server.serve())
         while not self.server.started:
             if self.server_task.done():
                 raise RuntimeError(f"HTTP server did not start on {server.host}:{server.port}")
             await asyncio.sleep(0.02)
         self.log.info("http.listening", url=f"http://{server.host}:{server.port}")
+        self.spawn(self._reap_loop(), essential=True)
+
+    async def teardown(self) -> None:
+        self.prompts.close()
 
     def handlers(self):
         return {TextDelta: self.on_result, RequestFailed: self.on_result}
@@ -131,10 +129,26 @@ class IngressStage(Stage):
                 message = cls.admission(submission, name)
                 if message is not None:
                     await self.bus.send(name, route.of(name), message)
-        except Exception:
+        except BaseException as exc:  # whatever it is, the request holds no slot after it
             self.cancel_request(pending, "failed to submit")
+            if isinstance(exc, Exception):
+                self.log.exception("request.submit_failed", request_id=request_id)
+                raise ApiError(f"the request could not be handed to the pipeline: {exc!r}", status=503,
+                               type="server_error") from exc
             raise
         return pending
+
+    async def _reap_loop(self) -> None:
+        """The safety net under every path that counts a request in flight: a request still held
+        well past its deadline (its HTTP handler gone without releasing it) is failed and freed."""
+        grace = 5.0
+        while True:
+            await asyncio.sleep(1.0)
+            overdue = time.monotonic() - self.limits.request_timeout_s - grace
+            for pending in [p for p in self.requests.active.values() if p.received < overdue]:
+                self.log.warning("request.reaped", request_id=pending.request_id)
+                pending.queue.put_nowait(RequestFailed(pending.request_id, "ingress", "request timed out"))
+                self.cancel_request(pending, "overdue")
 
     def _forget(self, pending: PendingRequest) -> bool:
         """Out of the table, its replicas' counts down; False if it was already gone."""

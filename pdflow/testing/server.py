@@ -1,4 +1,9 @@
-"""Start `pdflow run` on free ports in a subprocess: for end-to-end tests, benchmarks and experiments."""
+"""Start `pdflow run` on free ports in a subprocess: for end-to-end tests, benchmarks and experiments.
+
+Each server's pipeline secret is made here and handed to `pdflow run` in its environment
+(``[security] secret_env``), so a test can derive any replica's keys (:meth:`PdflowServer.keys`)
+and speak on the control plane as that replica.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from pathlib import Path
 import httpx
 
 _PORTS = 11  # server, control (2), five stage control ports, three data ports
+SECRET_ENV = "PDFLOW_SECRET"
 
 
 def free_port_base() -> int:
@@ -36,20 +42,29 @@ def _inline(options: dict | None) -> str:
     return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items()) + " }"
 
 
+def _table(settings: dict | None) -> str:
+    return "\n".join(f"{k} = {json.dumps(v)}" for k, v in (settings or {}).items())
+
+
 def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str = "disaggregated",
                   chunked_prefill_tokens: int = 0, kv_streaming: str = "layer",
-                  link_options: dict | None = None, request_timeout_s: float = 120, kv: dict | None = None) -> str:
+                  link_options: dict | None = None, request_timeout_s: float = 120, kv: dict | None = None,
+                  server: dict | None = None) -> str:
     """A topology on ports ``base`` .. ``base + 10``; ``link_options`` go on the prefill -> kv_shuttle
-    link; ``kv``: the [kv] table's settings."""
+    link; ``kv`` and ``server``: more settings of the [kv] and [server] tables."""
     common = f"""
 [model]
 source = "smollm2"
 
 [server]
 port = {base}
+{_table(server)}
 
 [control]
 port = {base + 1}
+
+[security]
+secret_env = "{SECRET_ENV}"
 
 [limits]
 max_batch = 32
@@ -58,7 +73,7 @@ heartbeat_timeout_s = 10
 request_timeout_s = {request_timeout_s}
 
 [kv]
-{chr(10).join(f"{k} = {json.dumps(v)}" for k, v in (kv or {}).items())}
+{_table(kv)}
 
 [stages.ingress]
 port = {base + 3}
@@ -112,14 +127,19 @@ class PdflowServer:
     def __init__(self, workdir: Path, transport: str = "tcp", extra: str = "", startup_timeout_s: float = 240,
                  log_format: str = "console", mode: str = "disaggregated", chunked_prefill_tokens: int = 0,
                  kv_streaming: str = "layer", link_options: dict | None = None, request_timeout_s: float = 120,
-                 kv: dict | None = None):
+                 kv: dict | None = None, api_key: str | None = None, server: dict | None = None):
+        from pdflow.security.keys import new_secret
+
         self.workdir = workdir
+        self.secret = new_secret()
+        self.api_key = api_key
         base = free_port_base()
+        self.base = base
         self.url = f"http://127.0.0.1:{base}"
         self.topology = workdir / "topology.toml"
         self.topology.write_text(
             topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options,
-                          request_timeout_s, kv)
+                          request_timeout_s, kv, server)
         )
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s
@@ -129,7 +149,11 @@ class PdflowServer:
     def __enter__(self) -> "PdflowServer":
         self._log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", "pdflow.cli", "run", str(self.topology), "--log-format", self.log_format]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        env = {**os.environ, SECRET_ENV: self.secret.hex()}
+        env.pop("PDFLOW_API_KEY", None)
+        if self.api_key:
+            env["PDFLOW_API_KEY"] = self.api_key
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -142,6 +166,17 @@ class PdflowServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def pipeline(self):
+        from pdflow.config.topology import load_topology
+
+        return load_topology(self.topology)
+
+    def keys(self):
+        """Every replica's keys (:class:`~pdflow.security.keys.PipelineKeys`): to speak as one."""
+        from pdflow.security.keys import PipelineKeys
+
+        return PipelineKeys(self.secret, self.pipeline().replicas())
 
     def health(self) -> dict | None:
         try:

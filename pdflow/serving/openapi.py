@@ -1,0 +1,120 @@
+"""The OpenAPI document of the HTTP API: complete and valid, so that schema-driven clients and
+fuzzers (schemathesis) can use it.
+
+The endpoints parse their bodies themselves (for OpenAI-shaped errors naming the field), so
+FastAPI does not see the request models: :func:`route_doc` describes each endpoint's body and every
+status it can answer with, and :func:`install_openapi` puts the schemas those descriptions refer
+to (the request models with their nested ones, the error body, the responses) in the document's
+``components``.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from pdflow.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": _REF.format(model=name)}
+
+
+ERROR_RESPONSE = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+    }},
+}
+
+USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}},
+    },
+}
+
+
+def _completion_schema(obj: str) -> dict:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": [obj]},
+                       "created": {"type": "integer"}, "model": {"type": "string"},
+                       "choices": {"type": "array", "items": {"type": "object"}}, "usage": _ref("Usage")},
+    }
+
+
+def _error(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+
+
+ERRORS = {
+    "400": _error("A field is invalid; `error.param` names it."),
+    "401": _error("The server has an API key and the request did not send it (`Authorization: Bearer <key>`)."),
+    "413": _error("The body is larger than `server.max_body_bytes`."),
+    "429": _error("Too many requests in flight (`limits.max_queued_requests`); retry later."),
+    "503": _error("A stage failed the request, none of a stage's replicas is up, or the server is stopping."),
+    "504": _error("The request took longer than `limits.request_timeout_s`."),
+}
+
+
+def route_doc(model: type, obj: str) -> dict:
+    """The ``@app.post`` arguments that describe an endpoint whose body is ``model``."""
+    ok = {"description": "The answer; with `stream: true`, server-sent events of chunks ending in `[DONE]`.",
+          "content": {"application/json": {"schema": _ref(f"{model.__name__}Response")},
+                      "text/event-stream": {"schema": {"type": "string"}}}}
+    return {
+        "openapi_extra": {"requestBody": {"required": True,
+                                          "content": {"application/json": {"schema": _ref(model.__name__)}}}},
+        "responses": {"200": ok, **ERRORS},
+    }
+
+
+def _components() -> dict:
+    schemas = {"ErrorResponse": ERROR_RESPONSE, "Usage": USAGE}
+    for model, obj in ((ChatCompletionRequest, "chat.completion"), (CompletionRequest, "text_completion")):
+        schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+        schemas[f"{model.__name__}Response"] = _completion_schema(obj)
+    return schemas
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve a document whose every ``$ref`` resolves (the request models' nested schemas too)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, description=app.description,
+                                   routes=app.routes)
+            document.setdefault("components", {}).setdefault("schemas", {}).update(_components())
+            _document_open_routes(document)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _document_open_routes(document: dict) -> None:
+    """The statuses of the small routes that FastAPI cannot infer."""
+    paths = document["paths"]
+    health = paths.get("/health", {}).get("get")
+    if health is not None:
+        health["responses"]["503"] = {"description": "Degraded: a replica is down, starting or restarting, "
+                                      "or the server is stopping.",
+                                      "content": {"application/json": {"schema": {"type": "object"}}}}
+    for path, item in paths.items():
+        for operation in item.values():
+            if path.startswith(("/v1/", "/debug/")):
+                operation["responses"].setdefault("401", ERRORS["401"])
+            if path.startswith("/debug/timeline/"):
+                operation["responses"]["404"] = _error("No timeline is kept for that id.")
