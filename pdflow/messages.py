@@ -14,7 +14,8 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store
+PROTOCOL_VERSION = 4  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+# 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked)
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)

@@ -1,6 +1,8 @@
-"""End to end, when things go wrong: a stage killed mid-stream, and SIGTERM to the launcher.
+"""End to end, when things go wrong: a stage killed mid-stream, stages killed and frozen under
+load, and SIGTERM to the launcher.
 
-The tests share one `pdflow run`; the SIGTERM test stops it, so it comes last.
+The tests share one `pdflow run`; the SIGTERM test stops it, so it comes last. The fault tests
+are bounded for CI; scripts/reliability.py runs them at length.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from pdflow.testing import faults
 from pdflow.testing.server import PdflowServer
 
 pytestmark = pytest.mark.e2e
@@ -76,6 +79,36 @@ def test_killing_decode_mid_stream_fails_the_request_then_decode_comes_back(clie
             break
         time.sleep(0.5)
     assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+
+
+def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_behind(server):
+    """kill -9 of kv-shuttle, then SIGSTOP of egress past the heartbeat deadline (the launcher
+    kills it), under three streaming clients with random aborts: every request ends whole or with
+    a clear error within the bound, and afterwards nothing is in flight, no lease is held, no old
+    process or shared-memory segment is left."""
+    faults.settled(server)
+    shm_before = faults.shm_segments()
+    load = faults.Load(server.url, clients=3, abort_ratio=0.2, max_tokens=12, bound_s=40).start()
+    old = []
+    try:
+        time.sleep(3)
+        old.append(faults.kill9(server, "kv-shuttle-0"))
+        assert server.wait_healthy(120), server.log()
+        time.sleep(2)
+        old.append(faults.freeze(server, "egress-0", 12))  # heartbeat_timeout_s = 10 on this server
+        assert server.wait_healthy(120), server.log()
+        time.sleep(2)
+    finally:
+        outcomes = load.stop()
+    counts = load.counts()
+    lost = [o for o in outcomes if o.kind == "lost"]
+    assert not lost, lost[:3]
+    assert counts["ok"] > 0 and counts["error"] > 0, counts  # the faults did cost some requests
+    assert all(o.seconds < 40 for o in outcomes)
+    faults.settled(server)
+    faults.none_left_behind(old, shm_before)
+    restarts = {name: info["restarts"] for name, info in server.health()["stages"].items()}
+    assert restarts["kv-shuttle-0"] >= 1 and restarts["egress-0"] >= 1, restarts
 
 
 def test_sigterm_stops_the_whole_tree_within_10_s(client, server):

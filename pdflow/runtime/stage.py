@@ -175,7 +175,9 @@ class Stage:
         from pdflow import transports
 
         link = self.pipeline.link(self.ctx.stage, self.output(output))
-        return transports.create(link.transport, host=self.config.host, **link.options)
+        transport = transports.create(link.transport, host=self.config.host, **link.options)
+        transport.authenticate(self.data_key)
+        return transport
 
     def kv_receiver(self, output: str):
         """This replica's data-plane endpoint (on its data port) for KV from the stage ``output``
@@ -183,8 +185,15 @@ class Stage:
         from pdflow import transports
 
         link = self.pipeline.link(self.output(output), self.ctx.stage)
-        return transports.create(link.transport, host=self.config.host, port=self.config.data_port_of(self.replica),
-                                 **link.options)
+        transport = transports.create(link.transport, host=self.config.host,
+                                      port=self.config.data_port_of(self.replica), **link.options)
+        transport.authenticate(self.data_key)
+        return transport
+
+    @property
+    def data_key(self) -> bytes | None:
+        """The key this replica's KV connections prove (None: the pipeline does not authenticate)."""
+        return self.keys.data_key if self.keys is not None and self.pipeline.security.authenticate else None
 
     async def notices(self, transport):
         """The chunk notices ``transport`` hands out, until it closes or the stage stops."""

@@ -32,6 +32,7 @@ from pdflow.kv.layout import checksum
 from pdflow.messages import KvChunkHeader
 from pdflow.transports import (
     ChecksumMismatch,
+    IncompatiblePeer,
     OutOfBounds,
     PeerDisconnected,
     PeerUnreachable,
@@ -323,6 +324,37 @@ async def check_bad_chunks(h: Harness) -> None:
         await _notice_ok(receiver, good)
 
 
+async def check_authentication(h: Harness) -> None:
+    """With the pipeline's data-plane key both ends prove it in the handshake: a sender with
+    another key, or none, is refused (IncompatiblePeer) before any region is written, and a
+    sender with a key is refused by a receiver that has none; the same key writes as ever."""
+    if not h.make().cross_process:
+        raise Unsupported("its peers share this process: there is nothing to prove")
+    key, other = os.urandom(32), os.urandom(32)
+    async with h.make() as receiver:
+        receiver.authenticate(key)
+        await receiver.start()
+        buffer = guarded(64)
+        receiver.register(1, memoryview(buffer)[GUARD : GUARD + 64])
+        data = _rng.randbytes(64)
+        for wrong in (other, None):
+            async with h.make() as sender:
+                sender.authenticate(wrong)
+                await _expect(IncompatiblePeer, sender.write(receiver.address, header(1, 0, data), data))
+        assert buffer == guarded(64), "a refused sender wrote into the region"
+        async with h.make() as sender:
+            sender.authenticate(key)
+            chunk = header(1, 0, data)
+            await _wait(sender.write(receiver.address, chunk, data))
+            await _notice_ok(receiver, chunk)
+            assert buffer[GUARD : GUARD + 64] == data
+    async with h.make() as open_receiver, h.make() as sender:
+        await open_receiver.start()
+        open_receiver.register(1, bytearray(64))
+        sender.authenticate(key)
+        await _expect(IncompatiblePeer, sender.write(open_receiver.address, header(1, 0, data), data))
+
+
 async def check_close_while_busy(h: Harness) -> None:
     """aclose() during many writes and a pending next_notice(): every call ends, typed."""
     async with h.make() as receiver:
@@ -446,6 +478,7 @@ CHECKS = (
     check_buffers,
     check_many_in_flight,
     check_bad_chunks,
+    check_authentication,
     check_close_while_busy,
     check_close_while_blocked,
     check_receiver_dies,

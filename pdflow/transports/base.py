@@ -68,6 +68,14 @@ class Transport(ABC):
         self._routes: dict[str, Route] = {}  # sender: by peer
         self._encoder = msgspec.msgpack.Encoder()  # chunk headers travel as msgpack
         self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
+        self.proof_key: bytes | None = None  # see authenticate()
+
+    def authenticate(self, key: bytes | None) -> None:
+        """Prove ``key`` (the pipeline's data-plane key) in every connection's handshake and
+        refuse peers that do not prove it too (:mod:`pdflow.security.handshake`). Call before
+        :meth:`start` or the first :meth:`write`; None (the default) proves nothing. A transport
+        whose peers share this process (inproc) has nothing to prove and ignores it."""
+        self.proof_key = key
 
     def _settings(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """``self.options`` over ``defaults``; TypeError naming any option not in ``defaults``."""

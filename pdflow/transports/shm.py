@@ -105,7 +105,7 @@ class ShmTransport(Transport):
         return address
 
     async def _connect(self, peer: str) -> ShmLink:
-        sock, _ = await dial(peer, wire.GREETING, self.timeout_s, unix=wire.socket_name(peer))
+        sock, _ = await dial(peer, wire.GREETING, self.timeout_s, unix=wire.socket_name(peer), key=self.proof_key)
         return ShmLink(sock, peer, self.max_mappings, self.timeout_s)
 
     async def _send(self, link: ShmLink, address: str, header: KvChunkHeader, payload: memoryview) -> None:
@@ -155,7 +155,7 @@ class ShmTransport(Transport):
             if uid not in (os.getuid(), 0):
                 log.error("kv.shm.peer.rejected", peer=peer, uid=uid)
                 return
-            if not await wire.GREETING.answer(conn, peer):
+            if not await wire.GREETING.answer(conn, peer, self.proof_key, self.timeout_s):
                 return
             while True:
                 op = await inbox.take(wire.OP.size)

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from pdflow.messages import PROTOCOL_VERSION
+from pdflow.security import handshake
 from pdflow.transports.errors import IncompatiblePeer, PeerUnreachable
 from pdflow.transports.links import Link
 
@@ -87,12 +88,19 @@ async def send_gathered(sock: socket.socket, head: bytes, payload: memoryview | 
 
 
 _HELLO = struct.Struct("!4sHH")  # magic, wire version, pdflow protocol version
+_PROOF = struct.Struct(f"!B{handshake.NONCE_BYTES}s")  # 1: this end proves the data-plane key; nonce
+_LOGGED_REJECTIONS = 20  # then one line per thousand
+rejected_handshakes = 0  # in this process: wrong version, no proof, a wrong proof, too slow
 
 
 @dataclass(frozen=True, slots=True)
 class Greeting:
     """The HELLO both ends of a connection send first: the transport's magic, its wire version
-    and the pdflow protocol version. ``kind`` names the transport in errors."""
+    and the pdflow protocol version, then whether this end proves the pipeline's data-plane key
+    and a fresh nonce (:mod:`pdflow.security.handshake`). ``kind`` names the transport in errors.
+
+    The receiver reads the sender's HELLO before it answers, so a peer of another version learns
+    ours (and why it was refused) whatever else differs."""
 
     magic: bytes
     wire_version: int
@@ -102,30 +110,74 @@ class Greeting:
     def ours(self) -> bytes:
         return _HELLO.pack(self.magic, self.wire_version, PROTOCOL_VERSION)
 
-    async def check(self, sock: socket.socket) -> PeerUnreachable | None:
-        """Read the peer's HELLO: None when it matches ours, else why not (PeerUnreachable when
-        the peer closed first, IncompatiblePeer for another protocol or version). The message
-        reads after the peer's address."""
+    def _hello(self, key: bytes | None, nonce: bytes) -> bytes:
+        return self.ours + _PROOF.pack(key is not None, nonce)
+
+    async def _read_hello(self, sock: socket.socket) -> tuple[PeerUnreachable | None, bool, bytes]:
+        """The peer's HELLO: (why it is refused or None, whether it proves the key, its nonce)."""
         reply = bytearray(_HELLO.size)
         if await recv_exact(sock, memoryview(reply)) < _HELLO.size:
-            return PeerUnreachable("closed the connection during the handshake")
+            return PeerUnreachable("closed the connection during the handshake"), False, b""
         magic, wire, protocol = _HELLO.unpack(reply)
         if (magic, wire, protocol) != (self.magic, self.wire_version, PROTOCOL_VERSION):
             return IncompatiblePeer(
                 f"is not a pdflow {self.kind} endpoint of this version (magic {magic!r}, wire {wire}, "
                 f"protocol {protocol}; ours: wire {self.wire_version}, protocol {PROTOCOL_VERSION})"
-            )
+            ), False, b""
+        proof = bytearray(_PROOF.size)
+        if await recv_exact(sock, memoryview(proof)) < _PROOF.size:
+            return PeerUnreachable("closed the connection during the handshake"), False, b""
+        proves, nonce = _PROOF.unpack(proof)
+        return None, bool(proves), nonce
+
+    @staticmethod
+    def _mismatch(key: bytes | None, theirs: bool) -> IncompatiblePeer | None:
+        if (key is not None) == theirs:
+            return None
+        return IncompatiblePeer("authenticates its data plane and this end does not" if theirs else
+                                "does not prove the pipeline's data-plane key ([security] authenticate "
+                                "differs, or it is not a stage of this pipeline)")
+
+    async def greet(self, sock: socket.socket, key: bytes | None) -> PeerUnreachable | None:
+        """The sender's side, once connected: HELLOs, then (with ``key``) the mutual proof. None
+        when the receiver is a pdflow endpoint of this version holding the same key, else why not
+        (PeerUnreachable when it closed first, IncompatiblePeer otherwise)."""
+        loop, mine = asyncio.get_running_loop(), handshake.nonce()
+        await loop.sock_sendall(sock, self._hello(key, mine))
+        refused, proves, theirs = await self._read_hello(sock)
+        refused = refused or self._mismatch(key, proves)
+        if refused is not None or key is None:
+            return refused
+        mac = bytearray(handshake.MAC_BYTES)
+        if await recv_exact(sock, memoryview(mac)) < handshake.MAC_BYTES:
+            return PeerUnreachable("closed the connection during the handshake (a wrong key?)")
+        if not handshake.same(bytes(mac), handshake.receiver_mac(key, mine, theirs)):
+            return IncompatiblePeer("did not prove it holds this pipeline's data-plane key")
+        await loop.sock_sendall(sock, handshake.sender_mac(key, mine, theirs))
         return None
 
-    async def answer(self, sock: socket.socket, peer: str) -> bool:
+    async def answer(self, sock: socket.socket, peer: str, key: bytes | None = None, timeout_s: float = 30.0) -> bool:
         """The receiver's side: read the sender's HELLO, answer with ours (so that a sender of
-        another version learns which), and say whether the two match (logged when not)."""
-        refused = await self.check(sock)
-        if isinstance(refused, IncompatiblePeer):
-            await asyncio.get_running_loop().sock_sendall(sock, self.ours)
-            log.error("kv.handshake.rejected", transport=self.kind, peer=peer, reason=str(refused))
-        elif refused is None:
-            await asyncio.get_running_loop().sock_sendall(sock, self.ours)
+        another version learns which), then (with ``key``) prove the key and check the sender's
+        proof, all within ``timeout_s``. Whether the sender may write (logged when not)."""
+        loop, mine = asyncio.get_running_loop(), handshake.nonce()
+        try:
+            async with asyncio.timeout(timeout_s):
+                refused, proves, theirs = await self._read_hello(sock)
+                if isinstance(refused, PeerUnreachable) and not isinstance(refused, IncompatiblePeer):
+                    return False
+                await loop.sock_sendall(sock, self._hello(key, mine))
+                refused = refused or self._mismatch(key, proves)
+                if refused is None and key is not None:
+                    await loop.sock_sendall(sock, handshake.receiver_mac(key, theirs, mine))
+                    mac = bytearray(handshake.MAC_BYTES)
+                    if await recv_exact(sock, memoryview(mac)) < handshake.MAC_BYTES or \
+                            not handshake.same(bytes(mac), handshake.sender_mac(key, theirs, mine)):
+                        refused = IncompatiblePeer("did not prove it holds this pipeline's data-plane key")
+        except TimeoutError:
+            refused = PeerUnreachable(f"did not finish the handshake within {timeout_s} s")
+        if refused is not None:
+            _rejected(self.kind, peer, str(refused))
         return refused is None
 
 
@@ -137,12 +189,14 @@ async def dial(
     unix: str | None = None,
     setup: Callable[[socket.socket], None] | None = None,
     welcome: Callable[[socket.socket], Awaitable[T]] | None = None,
+    key: bytes | None = None,
 ) -> tuple[socket.socket, T | None]:
     """A sender's connection: connect to ``address``, exchange ``greeting``s, then let
     ``welcome(sock)`` read whatever else the peer says first, all within ``timeout_s``.
 
     ``address`` is ``<greeting.kind>://host:port`` (TCP), or with ``unix`` the Unix socket of
-    that name. ``setup`` tunes the non-blocking socket before it connects. Returns the socket
+    that name. ``setup`` tunes the non-blocking socket before it connects. ``key``: the
+    pipeline's data-plane key, proved in the handshake (None: no proof). Returns the socket
     and what ``welcome`` returned. Raises PeerUnreachable (nothing there, no answer in time,
     closed; ``welcome`` may raise ConnectionError for that) or IncompatiblePeer, having closed
     the socket, as it does on any other failure or cancellation.
@@ -159,8 +213,7 @@ async def dial(
             if setup is not None:
                 setup(sock)
             await loop.sock_connect(sock, target)
-            await loop.sock_sendall(sock, greeting.ours)
-            refused = await greeting.check(sock)
+            refused = await greeting.greet(sock, key)
             if refused is None and welcome is not None:
                 extra = await welcome(sock)
     except BaseException as exc:
@@ -174,6 +227,13 @@ async def dial(
         sock.close()
         raise type(refused)(f"{address} {refused}")
     return sock, extra
+
+
+def _rejected(kind: str, peer: str, reason: str) -> None:
+    global rejected_handshakes
+    rejected_handshakes += 1
+    if rejected_handshakes <= _LOGGED_REJECTIONS or rejected_handshakes % 1000 == 0:
+        log.error("kv.handshake.rejected", transport=kind, peer=peer, reason=reason, rejected=rejected_handshakes)
 
 
 class SocketLink(Link):

@@ -86,7 +86,7 @@ class TcpTransport(Transport):
             if hasattr(socket, "TCP_USER_TIMEOUT"):  # a peer that stops acking: fail, don't hang
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.timeout_s * 1000))
 
-        sock, _ = await dial(peer, GREETING, self.timeout_s, setup=tune)
+        sock, _ = await dial(peer, GREETING, self.timeout_s, setup=tune, key=self.proof_key)
         log.debug("kv.conn.open", peer=peer)
         return SocketLink(sock)
 
@@ -111,7 +111,7 @@ class TcpTransport(Transport):
         self._tune(conn)
         header: KvChunkHeader | None = None
         try:
-            if not await GREETING.answer(conn, peer):
+            if not await GREETING.answer(conn, peer, self.proof_key, self.timeout_s):
                 return
             prefix = bytearray(FRAME.size)
             while True:

@@ -99,6 +99,7 @@ class UcxTransport(Transport):
     async def _connect(self, peer: str) -> Conn:
         """TCP connect and handshake, then the UCX endpoint to the worker address it brought."""
         sock, welcome = await dial(peer, GREETING, self.timeout_s, setup=lambda s: tune(s, self.timeout_s),
+                                   key=self.proof_key,
                                    welcome=read_welcome)  # fmt: skip
         link_id, worker_address = welcome  # type: ignore[misc]
         try:
@@ -159,7 +160,7 @@ class UcxTransport(Transport):
 
     async def _handshake(self, sock: socket.socket, peer: str) -> int | None:
         """The link id, or None when the peer is not a pdflow ucx sender of this version."""
-        if not await GREETING.answer(sock, peer):
+        if not await GREETING.answer(sock, peer, self.proof_key, self.timeout_s):
             return None
         link_id, address = next(self._link_ids), self._ucx().address
         await asyncio.get_running_loop().sock_sendall(sock, WELCOME.pack(link_id, len(address)) + address)

@@ -132,6 +132,13 @@ class VerbsTransport(Transport):
         self.ctx = Context(name=settings["device"] or get_device_list()[0].name.decode())
         self.pd, self.cq = PD(self.ctx), CQ(self.ctx, 4 * RECV_WRS)
         self.port_attr, self.gid = self.ctx.query_port(PORT), self.ctx.query_gid(PORT, self.gid_index)
+
+    def authenticate(self, key: bytes | None) -> None:
+        """Not yet: its handshake (never run on hardware here) proves no key, so rather than
+        run unauthenticated where the pipeline asks for a proof, it refuses."""
+        if key is not None:
+            raise TransportError("the verbs transport cannot prove the pipeline's data-plane key yet; "
+                                 "set [security] authenticate = false to use it (trusted networks only)")
         self._mrs: dict[int, MR] = {}
         self._sink = MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)  # receive WRs need an SGE; unused
         self._by_qpn: dict[int, _Link] = {}  # receiver: by our QP number
