@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import msgspec
+
 from pdflow import Stage
 from pdflow.messages import Route, TextDelta
 
@@ -46,6 +48,6 @@ class RedactStage(Stage):
         if self.pattern is not None:
             text = self.pattern.sub(self.mask, text)
         if text or delta.finish_reason is not None:
-            # TextDelta carries no route: its one reader, ingress, has a single replica (0)
-            message = TextDelta(rid, text, delta.completion_tokens, delta.finish_reason, delta.timeline)
-            await self.send_output("text", Route(), message)
+            # TextDelta carries no route: its one reader, ingress, has a single replica (0);
+            # the rest of the delta (token counts, the tokens themselves) passes on as it came
+            await self.send_output("text", Route(), msgspec.structs.replace(delta, text=text))

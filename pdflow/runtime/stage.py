@@ -281,8 +281,8 @@ class Stage:
         if state is not None and not hasattr(state, "route"):
             return True  # a plug-in stage whose state keeps no route: it cannot be checked
         route = state.route if state is not None else getattr(message, "route", None)
-        if route is None or not route.replicas:
-            return stage == "ingress"  # not known here yet: only ingress (an early Cancel) may act
+        if route is None or not route.replicas:  # no route to check the replica against:
+            return stage == "ingress" or type(message) in self.opens  # an opening message, or ingress
         return route.replicas.get(stage) == replica
 
     async def deliver(self, message: Message, table: dict[type, Handler] | None = None,
