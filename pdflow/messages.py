@@ -109,6 +109,10 @@ class EgressRequest(Message):
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     route: Route = Route()
+    # a request migrated after a failure: the tokens generated before it (their text is
+    # rebuilt, and its first ``resume_chars`` characters, which the client has, are not sent)
+    resume_ids: list[int] = []
+    resume_chars: int = 0
 
 
 class KvDestination(Message):
@@ -166,7 +170,8 @@ class Tokens(Message):
 
 
 class TextDelta(Message):
-    """egress -> ingress: new text for the client."""
+    """egress -> ingress: new text for the client; ``token_ids``: the tokens generated since the
+    previous delta (what ingress re-prefills if the request must migrate)."""
 
     request_id: str
     text: str
@@ -174,6 +179,7 @@ class TextDelta(Message):
     finish_reason: str | None = None
     timeline: dict[str, list[float]] = {}
     cached_tokens: int = 0
+    token_ids: list[int] = []
 
 
 class RequestFailed(Message):

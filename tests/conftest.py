@@ -18,6 +18,15 @@ def model_dir():
 
 
 @pytest.fixture(scope="session")
+def loaded_model(model_dir):
+    """The engine's model and the tokenizer, loaded once for every module that runs the engine in
+    this process (tests must not change them)."""
+    from pdflow.engine import load_model, load_tokenizer
+
+    return load_model(model_dir), load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
 def default_server(tmp_path_factory, model_dir):
     """One `pdflow run` of the default topology (disaggregated, tcp data plane, prefix cache on)
     for the whole session: every module that needs no other shape shares it (each start costs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model, load_tokenizer, prefill
+from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
 from pdflow.messages import SamplingParams
 
 NEW_TOKENS = 24
@@ -19,9 +19,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    loaded = load_model(model_dir)
-    tokenizer = load_tokenizer(model_dir)
+def engine(loaded_model):
+    loaded, tokenizer = loaded_model
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                       tokenize=True, return_dict=False)
@@ -113,8 +112,8 @@ def test_uninitialised_batch_memory_never_reaches_attention(engine, reference, m
     assert _decode(loaded, prompts, join_after={1: 3, 2: 5, 3: 9}) == reference
 
 
-def test_france_answer(engine, reference, model_dir):
-    tokenizer = load_tokenizer(model_dir)
+def test_france_answer(engine, reference, loaded_model):
+    tokenizer = loaded_model[1]
     assert "Paris" in tokenizer.decode(reference[0])
 
 

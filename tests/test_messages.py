@@ -37,6 +37,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     EgressRequest: [
         EgressRequest("req-1", 17, 16),
         EgressRequest("req-2", 17, 32, stop=("\n\n", "END"), skip_special_tokens=False, route=ROUTE),
+        EgressRequest("req-3~1", 25, 24, route=ROUTE, resume_ids=[9, 8, 7], resume_chars=11),
     ],
     KvDestination: [KvDestination("req-1", "tcp://127.0.0.1:5630", 7, 1_382_400)],
     PrefillDone: [
@@ -51,6 +52,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     TextDelta: [
         TextDelta("req-1", "Hello", 1),
         TextDelta("req-2", " wörld ✓", 9, finish_reason="stop", timeline=TIMELINE, cached_tokens=128),
+        TextDelta("req-3", "ab", 3, token_ids=[5, 6]),
     ],
     RequestFailed: [RequestFailed("req-1", "decode", "out of KV memory")],
     Cancel: [Cancel("req-1"), Cancel("req-2", reason="client disconnected")],
@@ -197,6 +199,9 @@ def test_field_order_is_pinned() -> None:
     ]
     assert _names(Route) == ["replicas"]
     assert _names(Hello) == ["protocol_version", "stage", "replica", "pid"]
+    assert _names(TextDelta) == ["request_id", "text", "completion_tokens", "finish_reason", "timeline",
+                                 "cached_tokens", "token_ids"]
+    assert _names(EgressRequest)[-2:] == ["resume_ids", "resume_chars"]
 
 
 def test_appended_fields_have_defaults() -> None:

@@ -78,10 +78,8 @@ class _Engine:
     """Greedy answers from the engine in this process, without any cache: a stand-in for the
     OpenAI client in :func:`_workload` (the same ``chat.completions.create`` shape)."""
 
-    def __init__(self, model_dir):
-        from pdflow.engine import load_model, load_tokenizer
-
-        self.loaded, self.tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    def __init__(self, loaded_model):
+        self.loaded, self.tokenizer = loaded_model
         self.chat = self.completions = self
 
     def create(self, model, messages, temperature, max_tokens):
@@ -109,9 +107,9 @@ class _Engine:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
+def reference(loaded_model):
     """The answers without reuse."""
-    return _workload(_Engine(model_dir))
+    return _workload(_Engine(loaded_model))
 
 
 DEPLOYMENTS = {"disaggregated": "kv-shuttle-0", "colocated": "worker-0"}  # -> the stage holding the store

@@ -114,6 +114,7 @@ class Limits:
     heartbeat_timeout_s: float = 5.0
     shutdown_grace_s: float = 5.0
     max_restarts: int = 5
+    max_migrations: int = 2  # a request whose replica dies is resubmitted on live ones this many times
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,6 +170,7 @@ def _limits(r: TableReader, t: dict[str, Any]) -> Limits:
         heartbeat_timeout_s=_heartbeat_timeout(r, t, interval),
         shutdown_grace_s=r.number(t, "limits", "shutdown_grace_s", d.shutdown_grace_s, ge=0, lt=10),
         max_restarts=r.integer(t, "limits", "max_restarts", d.max_restarts, ge=0),
+        max_migrations=r.integer(t, "limits", "max_migrations", d.max_migrations, ge=0),
     )
 
 

@@ -102,7 +102,24 @@ class Launcher:
         rep.started_at = rep.last_seen = time.monotonic()
         log.info("stage.started", stage=self._name(rep), pid=rep.process.pid)
 
+    def _warn_ephemeral_ports(self) -> None:
+        """A stage port inside the kernel's ephemeral range can be taken, while the stage is down,
+        by a peer's reconnecting socket (TCP self-connect), and the restart then cannot bind it."""
+        try:
+            low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        except (OSError, ValueError):
+            return
+        ports = [(f"stages.{name}.port", stage.port + i) for name, stage in self.topology.stages.items()
+                 for i in range(stage.replicas)]
+        ports += [(f"stages.{name}.data_port", stage.data_port + i) for name, stage in self.topology.stages.items()
+                  if stage.data_port is not None for i in range(stage.replicas)]
+        risky = [key for key, port in ports if low <= port <= high]
+        if risky:
+            log.warning("ports.ephemeral", keys=risky, range=f"{low}-{high}",
+                        hint="a restarted stage may find its port taken; choose ports below the range")
+
     async def run(self) -> int:
+        self._warn_ephemeral_ports()
         ctx = zmq.asyncio.Context()
         control = self.topology.control
         own = self.keys.launcher() if self.authenticate else None

@@ -79,6 +79,8 @@ class Submission:
     stop: tuple[str, ...]
     skip_special_tokens: bool
     route: Route
+    resume_ids: tuple[int, ...] = ()  # a migrated request: the tokens generated before (see EgressRequest)
+    resume_chars: int = 0
 
 
 class Stage:

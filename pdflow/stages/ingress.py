@@ -3,7 +3,11 @@ stage, tells each stage what it needs to know of the request (``Stage.admission`
 the request's text (the HTTP endpoints themselves are in ``pdflow.serving.http_api``).
 
 It is also the one place that knows which requests went through which replica, so when the
-launcher says a replica died, ingress fails those requests at once and cancels them everywhere.
+launcher says a replica died, ingress acts on those requests at once: each one *migrates*
+(:mod:`pdflow.stages.migration`): it is cancelled everywhere and submitted again under a new
+internal id, its prompt followed by the tokens already generated, on live replicas, and its
+stream goes on with no text repeated or missing. One that cannot (``limits.max_migrations``
+used up, or no replica back before its deadline) fails with a clear error.
 """
 
 from __future__ import annotations
@@ -34,20 +38,29 @@ from pdflow.security.keys import load_api_key
 from pdflow.serving.http_server import HttpServer, http_server
 from pdflow.serving.openai_protocol import ApiError
 from pdflow.serving.prompts import PromptBuilder
+from pdflow.stages.migration import MigratingIngress
 
 _TIMELINES_KEPT = 1000
 
 
 @dataclass(slots=True, eq=False)
 class PendingRequest:
-    request_id: str
+    request_id: str  # the client's: every response of the request carries it
     route: Route
     prompt_len: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     received: float = field(default_factory=time.monotonic)
+    submission: Submission | None = None  # as first admitted
+    internal_id: str = ""  # its id on the pipeline now: request_id, then request_id~1, ~2 after migrations
+    generated: list[int] = field(default_factory=list)  # every token generated so far
+    sent_chars: int = 0  # the text the client has been given
+    cached_tokens: int = 0  # of the first attempt's prompt
+    attempts: int = 0  # migrations so far
+    migrating: bool = False
+    abandoned: bool = False  # cancelled (client gone, failed) while it migrated
 
 
-class IngressStage(Stage):
+class IngressStage(MigratingIngress, Stage):
     kind = "ingress"
     server: HttpServer | None = None  # set once setup has started the HTTP server
 
@@ -87,7 +100,17 @@ class IngressStage(Stage):
         return {TextDelta: self.on_result, RequestFailed: self.on_result}
 
     def on_result(self, message: TextDelta | RequestFailed) -> None:
-        self.requests.get(message.request_id).queue.put_nowait(message)
+        pending: PendingRequest = self.requests.get(message.request_id)
+        if isinstance(message, RequestFailed):
+            if self.may_migrate(pending):
+                self.spawn(self.failed_or_migrated(pending, message))
+                return
+        else:
+            pending.generated.extend(message.token_ids)
+            pending.sent_chars += len(message.text)
+            if pending.attempts == 0:
+                pending.cached_tokens = max(pending.cached_tokens, message.cached_tokens)
+        pending.queue.put_nowait(message)
 
     # --- submitting and cancelling ---------------------------------------------------------
 
@@ -119,16 +142,12 @@ class IngressStage(Stage):
                 status=429, type="rate_limit_error",
             )
         route = self._route(request_id, prompt_ids)
-        pending = self.requests.open(request_id, PendingRequest(request_id, route, len(prompt_ids)))
-        self.assigned.update(route.replicas.items())
         submission = Submission(request_id, prompt_ids, params, stop, skip_special_tokens, route)
+        pending = PendingRequest(request_id, route, len(prompt_ids), submission=submission, internal_id=request_id)
+        self.requests.open(request_id, pending)
+        self.assigned.update(route.replicas.items())
         try:
-            # downstream first: each stage knows the request before its upstream produces for it
-            # (the stages also cope with any other order)
-            for name, cls in self.admitted_by:
-                message = cls.admission(submission, name)
-                if message is not None:
-                    await self.bus.send(name, route.of(name), message)
+            await self.admit(submission)
         except BaseException as exc:  # whatever it is, the request holds no slot after it
             self.cancel_request(pending, "failed to submit")
             if isinstance(exc, Exception):
@@ -137,6 +156,14 @@ class IngressStage(Stage):
                                type="server_error") from exc
             raise
         return pending
+
+    async def admit(self, submission: Submission) -> None:
+        """Tell every stage on its route what it needs of ``submission``, downstream first: each
+        stage knows the request before its upstream produces for it (they cope with any order)."""
+        for name, cls in self.admitted_by:
+            message = cls.admission(submission, name)
+            if message is not None:
+                await self.bus.send(name, submission.route.of(name), message)
 
     async def _reap_loop(self) -> None:
         """The safety net under every path that counts a request in flight: a request still held
@@ -152,7 +179,7 @@ class IngressStage(Stage):
 
     def _forget(self, pending: PendingRequest) -> bool:
         """Out of the table, its replicas' counts down; False if it was already gone."""
-        if self.requests.end(pending.request_id) is None:
+        if self.requests.end(pending.internal_id) is None:
             return False
         self.assigned.subtract(pending.route.replicas.items())
         return True
@@ -166,10 +193,11 @@ class IngressStage(Stage):
 
     def cancel_request(self, pending: PendingRequest, reason: str) -> None:
         """Forget the request here and tell every stage on its route to free what it holds."""
+        pending.abandoned = True
         if not self._forget(pending):
             return
         self.log.info("request.cancelled", request_id=pending.request_id, reason=reason)
-        message = Cancel(pending.request_id, reason)
+        message = Cancel(pending.internal_id, reason)
         for name in self.routed:
             self.spawn(self.bus.send(name, pending.route.of(name), message))
 
@@ -180,8 +208,11 @@ class IngressStage(Stage):
         if message.stage not in self.routed:
             return
         for pending in list(self.requests.active.values()):
-            if pending.route.of(message.stage) == message.replica:
+            if pending.route.of(message.stage) == message.replica and not pending.migrating:
                 error = f"{message.stage} replica {message.replica} failed: {message.reason}"
+                if self.may_migrate(pending):
+                    self.spawn(self.migrate(pending, error))
+                    continue
                 pending.queue.put_nowait(RequestFailed(pending.request_id, message.stage, error))
                 self.cancel_request(pending, "stage down")
 
