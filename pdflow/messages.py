@@ -183,11 +183,13 @@ class TextDelta(Message):
 
 
 class RequestFailed(Message):
-    """any stage -> ingress: this request cannot finish; answer the client with an error."""
+    """any stage -> ingress: this request cannot finish here; answer the client with an error, or
+    (``transient``: KV lost or damaged on the data plane) run it again (see ingress's migration)."""
 
     request_id: str
     stage: str
     message: str
+    transient: bool = False
 
 
 class Cancel(Message):

@@ -109,10 +109,10 @@ def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_b
     try:
         time.sleep(3)
         old.append(faults.kill9(server, "kv-shuttle-0"))
-        assert server.wait_healthy(120), server.log()
+        assert faults.wait_replaced(server, "kv-shuttle-0", old[-1], 120) is not None, server.log()
         time.sleep(2)
         old.append(faults.freeze(server, "egress-0", 12))  # heartbeat_timeout_s = 10 on this server
-        assert server.wait_healthy(120), server.log()
+        assert faults.wait_replaced(server, "egress-0", old[-1], 120) is not None, server.log()
         time.sleep(2)
     finally:
         outcomes = load.stop()

@@ -178,3 +178,35 @@ def test_topology_rejects_a_malformed_bandwidth() -> None:
         assert 'bandwidth = "10 Gbitz"' in str(exc) and "unknown unit 'Gbitz'" in str(exc)
         return
     pytest.skip("pdflow/topology.py does not call shaping.check_link_options yet (the lead wires it in)")
+
+
+async def test_a_faulty_link_drops_corrupts_and_stalls_what_it_is_told_to() -> None:
+    """Seeded faults on the sender: dropped chunks never arrive, corrupted ones arrive with a
+    ChecksumMismatch notice, stalled ones arrive late; the counts add up."""
+    from pdflow.transports import ChecksumMismatch
+
+    async with transports.create("tcp") as receiver, \
+            transports.create("tcp", drop=0.2, corrupt=0.2, stall=0.1, stall_s=0.05, fault_seed=3) as sender:
+        await receiver.start()
+        receiver.register(1, bytearray(1 << 16))
+        chunks = [header(1, 64 * i, bytes([i]) * 64) for i in range(100)]
+        for chunk in chunks:
+            await sender.write(receiver.address, chunk, bytes([chunks.index(chunk)]) * 64)
+        injected = sender.injected
+        arriving = len(chunks) - injected["dropped"]
+        notices = [await asyncio.wait_for(receiver.next_notice(), 10) for _ in range(arriving)]
+        bad = [n for n in notices if isinstance(n.error, ChecksumMismatch)]
+        assert injected["dropped"] > 0 and injected["stalled"] > 0
+        assert len(bad) == injected["corrupted"] > 0
+        assert all(n.error is None for n in notices if n not in bad)
+        with pytest.raises(asyncio.TimeoutError):  # nothing more: the dropped ones never come
+            await asyncio.wait_for(receiver.next_notice(), 0.3)
+
+
+@pytest.mark.parametrize(("options", "fragment"), [
+    ({"drop": 1.5}, "drop = 1.5"), ({"corrupt": "yes"}, "corrupt"), ({"drop": 0.6, "corrupt": 0.6}, "more than 1"),
+    ({"stall": 0.1, "stall_s": -1}, "stall_s"), ({"drop": 0.1, "fault_seed": 1.5}, "fault_seed"),
+])
+def test_bad_fault_options_name_the_option(options, fragment) -> None:
+    problem = check_link_options(options)
+    assert problem is not None and fragment in problem

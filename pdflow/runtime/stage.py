@@ -222,12 +222,14 @@ class Stage:
         """The request is done here: out of the table (late messages for it are dropped)."""
         return self.requests.end(request_id)
 
-    async def fail(self, request_id: str, error: str, route: Route | None = None) -> None:
-        """Tell ingress the request failed here (the client gets ``error``), and cancel it."""
+    async def fail(self, request_id: str, error: str, route: Route | None = None, transient: bool = False) -> None:
+        """Tell ingress the request failed here (the client gets ``error``), and cancel it.
+        ``transient``: the request's KV was lost or damaged on the data plane; running it again
+        may well succeed (ingress migrates it, within ``limits.max_migrations``)."""
         route = route or getattr(self.requests.get(request_id), "route", None)  # states carry their route
         self.log.error("request.failed", request_id=request_id, error=error)
         ingress = route.of("ingress") if route is not None else 0
-        await self.bus.send("ingress", ingress, RequestFailed(request_id, self.name, error))
+        await self.bus.send("ingress", ingress, RequestFailed(request_id, self.name, error, transient))
         await self.cancel(request_id, "failed")
 
     def spawn(self, coro, *, essential: bool = False) -> asyncio.Task:

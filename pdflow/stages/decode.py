@@ -124,7 +124,7 @@ class DecodeStage(Stage):
                 continue
             if notice.error is not None:
                 error = f"KV chunk lost on its way to decode: {notice.error!r}"
-                await self.fail(entry.request.request_id, error, entry.request.route)
+                await self.fail(entry.request.request_id, error, entry.request.route, transient=True)
                 continue
             entry.tokens_left -= tokens_of_run(notice.header)
             layer = notice.header.layer

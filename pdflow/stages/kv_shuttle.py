@@ -197,7 +197,7 @@ class KvShuttleStage(Stage):
             pass
         except transports.TransportError as exc:
             if rid in self.requests:
-                await self.fail(rid, f"sending the cached prefix to {to} failed: {exc!r}")
+                await self.fail(rid, f"sending the cached prefix to {to} failed: {exc!r}", transient=True)
 
     async def _forward(self, entry: _Entry, header: KvChunkHeader) -> None:
         """A chunk prefill wrote into the arena, on to decode's buffer of the prompt."""
@@ -212,7 +212,7 @@ class KvShuttleStage(Stage):
             pass
         except (transports.TransportError, asyncio.TimeoutError) as exc:
             if rid in self.requests:
-                await self.fail(rid, f"KV transfer to decode failed: {exc!r}")
+                await self.fail(rid, f"KV transfer to decode failed: {exc!r}", transient=True)
 
     async def _notice_loop(self) -> None:
         async for notice in self.notices(self.inbound):
@@ -221,7 +221,8 @@ class KvShuttleStage(Stage):
             if entry is None or entry.lease is None:
                 continue  # ended meanwhile (or a stray chunk before any plan)
             if notice.error is not None:
-                await self.fail(header.request_id, f"KV chunk lost on its way into the store: {notice.error!r}")
+                await self.fail(header.request_id, f"KV chunk lost on its way into the store: {notice.error!r}",
+                                transient=True)
                 continue
             self.store.renew(header.request_id)
             if entry.answer is not None:

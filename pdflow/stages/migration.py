@@ -11,7 +11,9 @@ with the same ``id``, no text repeated or missing, and usage counted once.
 
 A failure report (``RequestFailed``) that a replica's death causes can come before the launcher's
 ``StageDown``; ingress waits :data:`FAILURE_GRACE_S` to see whether a replica on the route went
-down before it decides between migrating and failing. A request migrates at most
+down before it decides between migrating and failing. A *transient* failure (the request's KV
+lost or damaged on the data plane: a checksum mismatch, a broken connection) is run again the
+same way at once, on the same replicas if they are well. A request migrates at most
 ``limits.max_migrations`` times, and waits for a live replica of every stage only until its own
 deadline. Greedy requests continue exactly as they would have (up to float rounding at a
 near-tie); a seeded sampled request continues with a fresh generator of the same seed.
@@ -48,13 +50,14 @@ class MigratingIngress:
         return any((name, pending.route.of(name)) in self.down for name in self.routed)
 
     async def failed_or_migrated(self, pending, failure: RequestFailed) -> None:
-        """A stage reported ``failure``: migrate if a replica on the route went down meanwhile,
-        else fail the request as reported."""
+        """A stage reported ``failure``: run the request again if the failure was transient (KV
+        lost or damaged on the data plane) or a replica on the route went down meanwhile, else
+        fail it as reported."""
         internal_id = pending.internal_id
-        await asyncio.sleep(FAILURE_GRACE_S)
+        await asyncio.sleep(0.0 if failure.transient else FAILURE_GRACE_S)
         if pending.internal_id != internal_id or pending.migrating:
             return  # StageDown came and migrated it already
-        if self._route_down(pending) and self.may_migrate(pending):
+        if (failure.transient or self._route_down(pending)) and self.may_migrate(pending):
             await self.migrate(pending, failure.message)
         else:
             pending.queue.put_nowait(failure)

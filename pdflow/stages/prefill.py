@@ -260,5 +260,5 @@ class PrefillStage(Stage):
             return None
         except transports.TransportError as exc:
             self.log.error("kv.send.failed", request_id=rid, error=repr(exc))
-            await self.fail(rid, f"KV transfer to kv-shuttle failed: {exc!r}", job.route)
+            await self.fail(rid, f"KV transfer to kv-shuttle failed: {exc!r}", job.route, transient=True)
             return None

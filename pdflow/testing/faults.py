@@ -39,7 +39,8 @@ class Outcome:
 @dataclass
 class Load:
     """``clients`` threads streaming chat requests until :meth:`stop`; ``abort_ratio`` of them hang
-    up after a few chunks. ``bound_s``: how long a request may take to end one way or another."""
+    up after a few chunks, ``slow_ratio`` of them read their stream slowly (``slow_read_s``
+    between chunks). ``bound_s``: how long a request may take to end one way or another."""
 
     url: str
     clients: int = 4
@@ -47,6 +48,8 @@ class Load:
     max_tokens: int = 16
     bound_s: float = 60.0
     seed: int = 0
+    slow_ratio: float = 0.0
+    slow_read_s: float = 0.2
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -74,13 +77,16 @@ class Load:
         with httpx.Client(timeout=httpx.Timeout(self.bound_s, connect=10)) as http:
             while not self._stop.is_set():
                 abort_after = rng.randint(1, 3) if rng.random() < self.abort_ratio else None
-                outcome = one_request(http, self.url, rng.choice(PROMPTS), self.max_tokens, abort_after)
+                pause = self.slow_read_s if rng.random() < self.slow_ratio else 0.0
+                outcome = one_request(http, self.url, rng.choice(PROMPTS), self.max_tokens, abort_after, pause)
                 with self._lock:
                     self.outcomes.append(outcome)
 
 
-def one_request(http: httpx.Client, url: str, prompt: str, max_tokens: int, abort_after: int | None) -> Outcome:
-    """One streamed chat request, classified (see the module doc)."""
+def one_request(http: httpx.Client, url: str, prompt: str, max_tokens: int, abort_after: int | None,
+                pause_s: float = 0.0) -> Outcome:
+    """One streamed chat request, classified (see the module doc); ``pause_s`` between chunks
+    makes it a slow reader."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
             "temperature": 0}
     start = time.monotonic()
@@ -105,6 +111,8 @@ def one_request(http: httpx.Client, url: str, prompt: str, max_tokens: int, abor
                 if "error" in event:
                     return Outcome("error", took(), event["error"].get("message", "")[:200])
                 chunks += 1
+                if pause_s:
+                    time.sleep(pause_s)
                 if any(c.get("finish_reason") for c in event.get("choices", [])):
                     finished = True
                 if abort_after is not None and chunks >= abort_after:
@@ -140,6 +148,20 @@ def freeze(server, stage: str, seconds: float) -> int:
     except ProcessLookupError:
         pass
     return pid
+
+
+def wait_replaced(server, stage: str, old_pid: int, timeout_s: float = 180.0) -> float | None:
+    """Seconds until ``stage`` runs under a new pid and the server is healthy again (None: not
+    within ``timeout_s``). Healthy alone is not enough: just after a fault the launcher may not
+    have noticed it yet."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        body = server.health() or {}
+        info = body.get("stages", {}).get(stage, {})
+        if body.get("status") == "ok" and info.get("pid") not in (None, old_pid):
+            return time.monotonic() - start
+        time.sleep(0.1)
+    return None
 
 
 # --- invariants ---------------------------------------------------------------------------------

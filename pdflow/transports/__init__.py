@@ -74,16 +74,19 @@ load = registry.load  # the class; LookupError if unknown, ImportError if not in
 def create(name: str, host: str = "127.0.0.1", port: int = 0, **options: Any) -> Transport:
     """A new, unstarted transport ``name`` listening (once started) on ``host:port``.
 
-    ``bandwidth`` (e.g. ``"10Gbit"``, ``"2GB"``) and ``latency`` (e.g. ``"250us"``) are taken out
-    of ``options`` for any transport: they wrap it in a
+    ``bandwidth`` (e.g. ``"10Gbit"``, ``"2GB"``), ``latency`` (e.g. ``"250us"``) and the fault
+    options (``drop``, ``corrupt``, ``stall``, ``stall_s``, ``fault_seed``) are taken out of
+    ``options`` for any transport: they wrap it in a
     :class:`~pdflow.transports.shaping.ShapedTransport` that emulates such a link (ValueError
     for a malformed value). The other options go to the transport.
     """
-    bandwidth, latency = options.pop("bandwidth", None), options.pop("latency", None)
-    if bandwidth is None and latency is None:
-        return load(name)(host, port, **options)
-    from pdflow.transports.shaping import ShapedTransport, parse_bandwidth, parse_latency
+    from pdflow.transports.shaping import OPTIONS
 
-    rate = None if bandwidth is None else parse_bandwidth(bandwidth)
-    delay = 0.0 if latency is None else parse_latency(latency)
-    return ShapedTransport(load(name)(host, port, **options), rate, delay)
+    link = {key: options.pop(key) for key in OPTIONS if key in options}
+    if not link:
+        return load(name)(host, port, **options)
+    from pdflow.transports.shaping import LinkFaults, ShapedTransport, parse_bandwidth, parse_latency
+
+    rate = None if "bandwidth" not in link else parse_bandwidth(link["bandwidth"])
+    delay = 0.0 if "latency" not in link else parse_latency(link["latency"])
+    return ShapedTransport(load(name)(host, port, **options), rate, delay, LinkFaults.from_options(link))

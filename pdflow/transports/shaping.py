@@ -31,22 +31,31 @@ only ``latency`` delays nothing, and a receiver given only ``bandwidth`` never w
 
 This is a sleep-based lower bound on time, not a model of congestion, loss or a slow peer:
 a transport slower than ``bandwidth`` stays as slow as it is.
+
+**Faults, on the sender**, for fault-injection runs (:class:`LinkFaults`): ``drop`` (the fraction
+of chunks that never arrive: the write returns as if sent), ``corrupt`` (the fraction that arrive
+with one bit flipped, their checksum as it was: the receiver's notice carries ChecksumMismatch)
+and ``stall`` (the fraction held back ``stall_s`` seconds, 1 by default, before they go), drawn
+from a generator seeded by ``fault_seed`` (0).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pdflow.messages import KvChunkHeader
-from pdflow.transports.base import Transport
+from pdflow.transports.base import Transport, byte_view
 from pdflow.transports.errors import ChunkNotice, TransportClosed
 
 __all__ = [
     "OPTIONS",
+    "LinkFaults",
     "ShapedTransport",
     "TokenBucket",
     "burst_bytes",
@@ -55,7 +64,7 @@ __all__ = [
     "parse_latency",
 ]
 
-OPTIONS = ("bandwidth", "latency")
+OPTIONS = ("bandwidth", "latency", "drop", "corrupt", "stall", "stall_s", "fault_seed")
 BURST_S = 0.005
 MIN_BURST = 64 << 10
 
@@ -137,9 +146,42 @@ def check_link_options(options: dict[str, Any]) -> str | None:
             parse_bandwidth(options["bandwidth"])
         if "latency" in options:
             parse_latency(options["latency"])
+        LinkFaults.from_options(options)
     except ValueError as exc:
         return str(exc)
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFaults:
+    """What an emulated link does wrong (see the module docstring)."""
+
+    drop: float = 0.0
+    corrupt: float = 0.0
+    stall: float = 0.0
+    stall_s: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> LinkFaults | None:
+        """The faults ``options`` ask for (None: none); ValueError naming a bad option."""
+        fractions = {}
+        for name in ("drop", "corrupt", "stall"):
+            value = options.get(name, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name} = {json.dumps(value)}: expected a fraction of chunks in [0, 1]")
+            fractions[name] = float(value)
+        if sum(fractions.values()) > 1:
+            raise ValueError("drop + corrupt + stall: the fractions add up to more than 1")
+        stall_s = options.get("stall_s", 1.0)
+        if isinstance(stall_s, bool) or not isinstance(stall_s, (int, float)) or stall_s < 0:
+            raise ValueError(f"stall_s = {json.dumps(stall_s)}: expected seconds >= 0")
+        seed = options.get("fault_seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"fault_seed = {json.dumps(seed)}: expected an integer")
+        if not any(fractions.values()):
+            return None
+        return cls(**fractions, stall_s=float(stall_s), seed=seed)
 
 
 def burst_bytes(rate: float) -> int:
@@ -170,7 +212,8 @@ class ShapedTransport(Transport):
     attribute and method is the inner transport's.
     """
 
-    def __init__(self, inner: Transport, bandwidth: float | None = None, latency: float = 0.0) -> None:
+    def __init__(self, inner: Transport, bandwidth: float | None = None, latency: float = 0.0,
+                 faults: LinkFaults | None = None) -> None:
         # Transport.__init__ is not called on purpose: regions, notices and state are inner's.
         if bandwidth is not None and bandwidth <= 0:
             raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
@@ -183,6 +226,9 @@ class ShapedTransport(Transport):
         self._held: ChunkNotice | None = None  # landed, its latency not yet over
         self._handing_out = asyncio.Lock()
         self._closing = asyncio.Event()
+        self.faults = faults
+        self._rng = random.Random(faults.seed) if faults else None
+        self.injected = {"dropped": 0, "corrupted": 0, "stalled": 0}
 
     def __getattr__(self, name: str) -> Any:  # name, host, port, options, transport extras
         if name == "inner":
@@ -190,7 +236,8 @@ class ShapedTransport(Transport):
         return getattr(self.inner, name)
 
     def __repr__(self) -> str:
-        return f"ShapedTransport({self.inner!r}, bandwidth={self.bandwidth}, latency={self.latency})"
+        return (f"ShapedTransport({self.inner!r}, bandwidth={self.bandwidth}, latency={self.latency}, "
+                f"faults={self.faults})")
 
     @property
     def address(self) -> str:
@@ -212,6 +259,10 @@ class ShapedTransport(Transport):
         self.inner.unregister(region)
 
     async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
+        if self.faults is not None and not self._closing.is_set():
+            data = await self._misbehave(header, data)
+            if data is None:
+                return  # dropped: as if sent
         if self._bucket is None or self._closing.is_set():
             return await self.inner.write(address, header, data)
         go_at = self._bucket.take(max(header.nbytes, 0))
@@ -219,6 +270,23 @@ class ShapedTransport(Transport):
             await self._sleep_until(go_at)  # cut short by aclose(); inner.write then raises
         # no await between leaving the lock and starting the write: the order holds in inner too
         return await self.inner.write(address, header, data)
+
+    async def _misbehave(self, header: KvChunkHeader, data: Any) -> Any:
+        """``data`` as the faulty link delivers it: None (dropped), a corrupted copy, or itself
+        (after a stall, perhaps)."""
+        f, roll = self.faults, self._rng.random()
+        if roll < f.drop:
+            self.injected["dropped"] += 1
+            return None
+        if roll < f.drop + f.corrupt and header.nbytes > 0:
+            self.injected["corrupted"] += 1
+            copy = bytearray(byte_view(data))
+            copy[self._rng.randrange(len(copy))] ^= 1 << self._rng.randrange(8)
+            return copy
+        if roll < f.drop + f.corrupt + f.stall:
+            self.injected["stalled"] += 1
+            await self._sleep_until(time.monotonic() + f.stall_s)
+        return data
 
     async def next_notice(self) -> ChunkNotice:
         if self.latency <= 0:
