@@ -54,6 +54,15 @@ def _completion_schema(obj: str) -> dict:
     }
 
 
+# an event of the stream (OpenAPI < 3.2: the schema of a text/event-stream describes each event)
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, an error, or [DONE]"},
+                   "event": {"type": "string"}},
+}
+
+
 def _error(description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
 
@@ -72,7 +81,7 @@ def route_doc(model: type, obj: str) -> dict:
     """The ``@app.post`` arguments that describe an endpoint whose body is ``model``."""
     ok = {"description": "The answer; with `stream: true`, server-sent events of chunks ending in `[DONE]`.",
           "content": {"application/json": {"schema": _ref(f"{model.__name__}Response")},
-                      "text/event-stream": {"schema": {"type": "string"}}}}
+                      "text/event-stream": {"schema": SSE_EVENT}}}
     return {
         "openapi_extra": {"requestBody": {"required": True,
                                           "content": {"application/json": {"schema": _ref(model.__name__)}}}},
