@@ -7,7 +7,7 @@ import pytest
 from pdflow.testing.server import PdflowServer
 
 COLOCATED = {"mode": "colocated", "chunked_prefill_tokens": 64}
-DEFAULT_SERVER = {"header_timeout_s": 2, "max_body_bytes": "1MiB"}  # small, so that testing them is quick
+DEFAULT_SERVER = {"header_timeout_s": 2, "max_body_bytes": "1MiB", "max_messages": 25_000}  # small, so that testing them is quick
 
 
 @pytest.fixture(scope="session")

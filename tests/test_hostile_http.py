@@ -98,9 +98,16 @@ def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(server):
     assert "at least" in response.json()["error"]["message"]
 
 
+def test_too_many_messages_are_refused_before_templating(server):
+    messages = [{"role": "user", "content": "hi"}] * 25_001  # this server's max_messages is 25,000
+    response = httpx.post(server.url + CHAT, json={"messages": messages}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "max_messages" in response.json()["error"]["message"]
+
+
 def test_many_messages_are_templated_off_the_event_loop(server):
-    """20,000 messages (under the body limit, under the cheap bound) must be templated and
-    tokenized to be refused; /health keeps answering meanwhile."""
+    """20,000 messages (under the body limit, under the cheap bound, under max_messages) must be
+    templated and tokenized to be refused; /health keeps answering meanwhile."""
     messages = [{"role": "user", "content": "hi"}] * 20_000
     response, slowest = _health_while(server, lambda: httpx.post(server.url + CHAT, json={"messages": messages},
                                                                   timeout=120))

@@ -61,12 +61,14 @@ class ModelConfig:
 class ServerConfig:
     """The HTTP API. ``max_body_bytes``: a larger request body is refused (413) before it is
     read; ``header_timeout_s``: a connection that has not sent a request's headers by then is
-    closed."""
+    closed; ``max_messages``: a chat request with more messages is refused (400) before it is
+    templated."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 4 * 2**20
     header_timeout_s: float = 10.0
+    max_messages: int = 4096
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,8 @@ def _max_token_bytes(tokenizer) -> int:
 class PromptBuilder:
     """Tokenizes on one worker thread (a tokenizer is not shared between threads)."""
 
-    def __init__(self, tokenizer, max_context: int):
-        self.tokenizer, self.max_context = tokenizer, max_context
+    def __init__(self, tokenizer, max_context: int, max_messages: int = 4096):
+        self.tokenizer, self.max_context, self.max_messages = tokenizer, max_context, max_messages
         self.vocab = len(tokenizer)
         self.max_token_bytes = _max_token_bytes(tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -49,6 +49,9 @@ class PromptBuilder:
 
     async def chat(self, req: ChatCompletionRequest) -> list[int]:
         messages = req.template_messages()
+        if len(messages) > self.max_messages:
+            raise ApiError(f"messages: {len(messages)} messages; this server takes at most {self.max_messages} "
+                           "(server.max_messages)", param="messages")
         self._check_bound([m["content"] for m in messages], "messages")
         return await self._run(self._chat_ids, messages)
 

@@ -71,7 +71,8 @@ class IngressStage(MigratingIngress, Stage):
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir)
         self.max_context = int(getattr(config, "max_position_embeddings", 2048))
-        self.prompts = await asyncio.to_thread(PromptBuilder, self.tokenizer, self.max_context)
+        self.prompts = await asyncio.to_thread(PromptBuilder, self.tokenizer, self.max_context,
+                                               self.pipeline.server.max_messages)
         self.api_key = self.keys.api_key if self.keys is not None else load_api_key(self.pipeline.security)
         self.served_name = self.pipeline.model.served_name
         self.timelines: OrderedDict[str, dict] = OrderedDict()
