@@ -106,7 +106,7 @@ def test_models_and_health(client, server):
 
 async def _stream_text(aclient, question: str) -> str:
     stream = await aclient.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=24,
+        model="smollm2", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=12,
         stream=True,
     )
     return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])

@@ -2,7 +2,7 @@
 by the client, none lost or failed, and afterwards nothing in flight, no lease held, and every
 stage's memory, threads and open files where they were (within a stated bound).
 
-Bounded for CI (``PDFLOW_SOAK_REQUESTS``, default 60); scripts/reliability.py runs thousands.
+Bounded for CI (``PDFLOW_SOAK_REQUESTS``, default 40); scripts/reliability.py runs thousands.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pdflow.testing import faults
 
 pytestmark = pytest.mark.e2e
 
-REQUESTS = int(os.environ.get("PDFLOW_SOAK_REQUESTS", "60"))
+REQUESTS = int(os.environ.get("PDFLOW_SOAK_REQUESTS", "40"))
 RSS_DRIFT_KB = 64 * 1024  # per stage: allocator arenas settle; a leak of a request's state would not
 EXTRA_THREADS = 2
 EXTRA_FDS = 8

@@ -3,8 +3,8 @@ the ones that die, and stops the whole tree cleanly on SIGINT/SIGTERM.
 
 Supervision: a replica is dead when its process exits or when no heartbeat came for
 ``heartbeat_timeout_s`` (then it is killed). Every stage hears ``StageDown`` at once, so ingress
-fails the requests that replica held; the replica is restarted (up to ``max_restarts`` times)
-and ``StageUp`` follows when it is ready again.
+migrates (or fails) the requests that replica held; the replica is restarted (up to
+``max_restarts`` times) and ``StageUp`` follows when it is ready again.
 
 The launcher holds the pipeline's keys (:mod:`pdflow.security`) and hands each replica its own
 through the spawn pipe. What arrives on its PULL is taken only from the replica it says it is
