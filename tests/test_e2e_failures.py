@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -29,14 +28,6 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 def stream_id(ids: set[str]) -> str:
     (only,) = ids
     return only
-
-
-def _alive(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    try:
-        return "\nState:\tZ" not in status.read_text()
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +127,7 @@ def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_b
 
 def test_sigterm_stops_the_whole_tree_within_10_s(client, server):
     pids = list(server.stage_pids().values())
-    assert len(pids) == 5 and all(_alive(pid) for pid in pids)
+    assert len(pids) == 5 and all(faults.alive(pid) for pid in pids)
     outcome = {}
 
     def in_flight_request():
@@ -156,5 +147,5 @@ def test_sigterm_stops_the_whole_tree_within_10_s(client, server):
     worker.join(15)
     assert elapsed < 10, f"took {elapsed:.1f} s"
     assert server.proc.returncode == 0
-    assert not [pid for pid in pids if _alive(pid)], "stage processes outlived the launcher"
+    assert not [pid for pid in pids if faults.alive(pid)], "stage processes outlived the launcher"
     assert not worker.is_alive() and outcome, "the in-flight request hung"

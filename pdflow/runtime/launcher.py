@@ -74,6 +74,15 @@ class _Replica:
         return self.stage, self.replica
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux's default elsewhere)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 class Launcher:
     def __init__(self, topology: Pipeline, model_dir: Path, log_format: str = "console", log_level: str = "info",
                  keys: PipelineKeys | None = None):
@@ -105,10 +114,7 @@ class Launcher:
     def _warn_ephemeral_ports(self) -> None:
         """A stage port inside the kernel's ephemeral range can be taken, while the stage is down,
         by a peer's reconnecting socket (TCP self-connect), and the restart then cannot bind it."""
-        try:
-            low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-        except (OSError, ValueError):
-            return
+        low, high = ephemeral_port_range()
         ports = [(f"stages.{name}.port", stage.port + i) for name, stage in self.topology.stages.items()
                  for i in range(stage.replicas)]
         ports += [(f"stages.{name}.data_port", stage.data_port + i) for name, stage in self.topology.stages.items()

@@ -167,7 +167,7 @@ def wait_replaced(server, stage: str, old_pid: int, timeout_s: float = 180.0) ->
 # --- invariants ---------------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -228,7 +228,7 @@ def settled(server, timeout_s: float = 60.0) -> dict:
 
 def none_left_behind(old_pids: list[int], shm_before: set[str]) -> None:
     """Every killed replica's process is gone (not a zombie) and no shared-memory segment stayed."""
-    lingering = [pid for pid in old_pids if _alive(pid)]
+    lingering = [pid for pid in old_pids if alive(pid)]
     assert not lingering, f"processes left behind: {lingering}"
     extra = shm_segments() - shm_before
     assert not extra, f"shared-memory segments left behind: {sorted(extra)}"

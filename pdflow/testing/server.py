@@ -19,15 +19,10 @@ from pathlib import Path
 
 import httpx
 
+from pdflow.runtime.launcher import ephemeral_port_range
+
 _PORTS = 11  # server, control (2), five stage control ports, three data ports
 SECRET_ENV = "PDFLOW_SECRET"
-
-
-def _ephemeral_start() -> int:
-    try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def free_port_base() -> int:
@@ -35,7 +30,7 @@ def free_port_base() -> int:
     its stage is down, by a peer's own reconnecting socket (TCP connects to itself when its source
     port happens to equal the port it dials), and the restarted stage could not bind it again."""
     for _ in range(200):
-        base = random.randrange(10000, _ephemeral_start() - _PORTS)
+        base = random.randrange(10000, ephemeral_port_range()[0] - _PORTS)
         try:
             for port in range(base, base + _PORTS):
                 with socket.socket() as s:
