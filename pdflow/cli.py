@@ -14,6 +14,7 @@ _EPILOG = """examples:
   pdflow models pull smollm2          fetch and convert the default model once
   pdflow bench transfer               measure the KV transports against memcpy and a plain socket
   pdflow bench serve --base-url URL   load an OpenAI-compatible server: TTFT, TBT, goodput
+  pdflow bench engine                 the bare engine per weight format, beside transformers
   pdflow trace cmpl-...               a request's timeline as a Perfetto trace, a PNG and its KV tail
   pdflow keys new pipeline.key        a pipeline secret for [security] secret_file (multi-host)
 """
@@ -103,6 +104,11 @@ def _bench_parser(sub) -> None:
     from pdflow.bench import serve
 
     serve.add_parser(bench_sub)
+    from pdflow.bench import engine
+
+    engine.add_arguments(bench_sub.add_parser(
+        "engine", help="the bare engine per weight format beside transformers and the memory floor",
+        description=engine.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _trace_parser(sub) -> None:
@@ -123,6 +129,10 @@ def _trace_parser(sub) -> None:
 def _bench(args) -> int:
     if args.bench_command == "serve":
         return args.bench_main(args)
+    if args.bench_command == "engine":
+        from pdflow.bench import engine
+
+        return engine.main(args)
     from pdflow.bench import transfer
 
     return transfer.main(args)
@@ -141,7 +151,8 @@ def _load(path: str):
 def _validate(args) -> int:
     topology = _load(args.topology)
     sys.stdout.write(f"{topology.path}: valid\n")
-    sys.stdout.write(f"  model: {topology.model.source} (served as {topology.model.served_name!r})\n")
+    sys.stdout.write(f"  model: {topology.model.source} (served as {topology.model.served_name!r}), "
+                     f"{topology.model.weights} weights\n")
     for name, stage in topology.stages.items():
         ports = f"control :{stage.port}" + (f", data :{stage.data_port}" if stage.data_port else "")
         cores = ",".join(map(str, stage.cores)) or "any"

@@ -19,11 +19,28 @@ def model_dir():
 
 @pytest.fixture(scope="session")
 def loaded_model(model_dir):
-    """The engine's model and the tokenizer, loaded once for every module that runs the engine in
-    this process (tests must not change them)."""
+    """The engine's model with fp32 weights (exact) and the tokenizer, loaded once for every module
+    that runs the engine in this process (tests must not change them)."""
+    from pdflow.engine import load_model, load_tokenizer
+
+    return load_model(model_dir, weights="fp32"), load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def served_model(model_dir):
+    """The engine's model with the default weights, as the default topology serves it, and the
+    tokenizer: the in-process reference for what a server answers."""
     from pdflow.engine import load_model, load_tokenizer
 
     return load_model(model_dir), load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def transformers_model(model_dir):
+    """transformers' own model of the default model, fp32: the reference for exactness tests."""
+    from pdflow.engine.loader import load_transformers_model
+
+    return load_transformers_model(model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -78,8 +78,8 @@ class _Engine:
     """Greedy answers from the engine in this process, without any cache: a stand-in for the
     OpenAI client in :func:`_workload` (the same ``chat.completions.create`` shape)."""
 
-    def __init__(self, loaded_model):
-        self.loaded, self.tokenizer = loaded_model
+    def __init__(self, model_and_tokenizer):
+        self.loaded, self.tokenizer = model_and_tokenizer
         self.chat = self.completions = self
 
     def create(self, model, messages, temperature, max_tokens):
@@ -107,9 +107,9 @@ class _Engine:
 
 
 @pytest.fixture(scope="module")
-def reference(loaded_model):
-    """The answers without reuse."""
-    return _workload(_Engine(loaded_model))
+def reference(served_model):
+    """The answers without reuse, from the engine with the weights the servers use."""
+    return _workload(_Engine(served_model))
 
 
 DEPLOYMENTS = {"disaggregated": "kv-shuttle-0", "colocated": "worker-0"}  # -> the stage holding the store

@@ -137,6 +137,8 @@ BAD_FILES = [
     ("syntax error in header", ["[model]", "", "[stages.decode", "replicas = 1"], "stages.decode", 3, "invalid TOML"),
     ("bad dtype", ["[model]", 'dtype = "int8"'],
      "model.dtype", 2, 'expected one of float32, bfloat16, float16, got string "int8"'),
+    ("unknown weight format", ["[model]", 'weights = "int3"'],
+     "model.weights", 2, "unknown weight format 'int3'; known: fp32, bf16, int8, int4"),
     ("bad device", ["[stages.decode]", 'device = "gpu"'],
      "stages.decode.device", 2, 'expected "cpu", "cuda" or "cuda:N", got string "gpu"'),
     ("missing model path", ["[model]", "dtype = 'float32'", 'source = "./no-such-model"'],

@@ -17,6 +17,7 @@ from pdflow.config.pipeline import (
     DEVICE,
     LINK_PAIRS,
     MODES,
+    WEIGHT_FORMATS,
     Pipeline,
     PipelineError,
     StageConfig,
@@ -46,6 +47,7 @@ def check_pipeline(pipeline: Pipeline, written: Callable[[str], bool] = lambda k
         _check_stage(pipeline, name, stage)
     _check_links(pipeline, cross_process)
     _check_router(pipeline)
+    _check_weights(pipeline)
     check_ports(pipeline, written)
 
 
@@ -114,6 +116,15 @@ def _check_router(pipeline: Pipeline) -> None:
 
     if problem := registry.availability(pipeline.router.policy):
         raise PipelineError("router.policy", problem)
+
+
+def _check_weights(pipeline: Pipeline) -> None:
+    if pipeline.model.weights in WEIGHT_FORMATS:
+        return
+    from pdflow.engine.weights import registry
+
+    if problem := registry.availability(pipeline.model.weights):
+        raise PipelineError("model.weights", problem)
 
 
 def known_models() -> frozenset[str]:

@@ -26,6 +26,8 @@ COLOCATED_STAGE_NAMES = ("ingress", "worker", "egress")  # mode "colocated"
 MODES = {"disaggregated": STAGE_NAMES, "colocated": COLOCATED_STAGE_NAMES}
 KV_STREAMING = ("layer", "request")
 DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")  # the built-in ones (pdflow.engine.weights)
+DEFAULT_WEIGHTS = "int4"  # the fastest format whose greedy answers agree with fp32's >= 99% (docs/benchmarks.md)
 # the disaggregated mode's links: the prompt's KV, a cached prefix to prefill, answers back to the store
 LINK_PAIRS = (("prefill", "kv_shuttle"), ("kv_shuttle", "decode"), ("kv_shuttle", "prefill"), ("decode", "kv_shuttle"))
 DEFAULT_PORTS = {
@@ -50,11 +52,15 @@ class PipelineError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
+    """``dtype``: activations and KV; ``weights``: how linear layers' weights are stored and
+    multiplied (a weight format: ``fp32``, ``bf16``, ``int8``, ``int4`` or a plug-in)."""
+
     source: str = "smollm2"
     dtype: str = "float32"
     served_name: str = "smollm2"  # resolved: never ""
     is_path: bool = False
     path: Path | None = None  # absolute, when is_path
+    weights: str = DEFAULT_WEIGHTS
 
 
 @dataclass(frozen=True, slots=True)

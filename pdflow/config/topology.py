@@ -22,6 +22,7 @@ from pdflow.transports.shaping import parse_size
 from pdflow.config.pipeline import (
     DEFAULT_DATA_PORTS,
     DEFAULT_PORTS,
+    DEFAULT_WEIGHTS,
     DTYPES,
     KV_STREAMING,
     LINK_PAIRS,
@@ -74,7 +75,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
     stages = _stage_tables(r, raw)
     pipeline = Pipeline(
         path=path.absolute(),
-        model=_model(r, r.table(raw, "", "model", ("source", "dtype", "served_name")), path),
+        model=_model(r, r.table(raw, "", "model", ("source", "dtype", "served_name", "weights")), path),
         server=_server(r, r.table(raw, "", "server", [f.name for f in fields(ServerConfig)])),
         control=ControlConfig(**_endpoint(r, raw, "control", ControlConfig(), max_port=65534)),
         limits=_limits(r, r.table(raw, "", "limits", [f.name for f in fields(Limits)])),
@@ -99,6 +100,7 @@ def _model(r: TableReader, t: dict[str, Any], topology_path: Path) -> ModelConfi
     source = r.string(t, "model", "source", "smollm2", non_empty=True)
     dtype = r.string(t, "model", "dtype", "float32", choices=DTYPES)
     served_name = r.string(t, "model", "served_name", "")
+    weights = r.string(t, "model", "weights", DEFAULT_WEIGHTS, non_empty=True)
     is_path = "/" in source or source.startswith((".", "~"))
     if not is_path:
         known = known_models()
@@ -107,14 +109,14 @@ def _model(r: TableReader, t: dict[str, Any], topology_path: Path) -> ModelConfi
             hint = f"did you mean '{close[0]}'? Known models: " if close else "expected one of "
             raise r.error("model.source", f"unknown model '{source}'; {hint}{', '.join(sorted(known))}, "
                           "or a path to a local Hugging Face model directory (e.g. ./models/my-model)")
-        return ModelConfig(source, dtype, served_name or source, False, None)
+        return ModelConfig(source, dtype, served_name or source, False, None, weights)
     path = (topology_path.absolute().parent / Path(source).expanduser()).resolve()
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
         raise r.error("model.source", f"model directory {path} {what}")
     if not (path / "config.json").is_file():
         raise r.error("model.source", f"{path} has no config.json; expected a Hugging Face model directory")
-    return ModelConfig(source, dtype, served_name or path.name, True, path)
+    return ModelConfig(source, dtype, served_name or path.name, True, path, weights)
 
 
 def _size(r: TableReader, t: dict[str, Any], table: str, name: str, default: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pdflow.engine.forward import causal_mask, logits_of_last_token
+from pdflow.engine.forward import causal_mask
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler
 from pdflow.kv.layout import torch_dtype
@@ -58,7 +58,7 @@ class ChunkedPrefill:
         input_ids = torch.tensor([self.prompt_ids[start:end]], device=device)
         positions = torch.arange(start, end, device=device).unsqueeze(0)
         mask = causal_mask(start, end, device, torch_dtype(self.loaded.layout.dtype))
-        logits = logits_of_last_token(self.loaded.model, input_ids, positions, mask, self.cache)
+        logits = self.loaded.model(input_ids, positions, mask, self.cache)
         self.position = end
         return self.sampler.sample(logits[0]) if end == len(self.prompt_ids) else None
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdflow.engine.forward import logits_of_last_token
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler, sample_batch
 from pdflow.kv.layout import torch_dtype
@@ -59,10 +58,49 @@ class _BatchCache:
         return keys[:n, :, : self.kv_len], values[:n, :, : self.kv_len]
 
 
+class _KernelBatchCache(_BatchCache):
+    """Also ``attend``: write the step's keys and values, then attend with pdflow's decode-attention
+    kernel straight from the batch buffers, each row over its own positions only (no mask, no
+    slice, nothing read past a row's end)."""
+
+    def __init__(self, batch: "DecodeBatch", rows: torch.Tensor, positions: torch.Tensor, kv_len: int, lib):
+        super().__init__(batch, rows, positions, kv_len)
+        self.lib = lib
+        self.lengths = (positions + 1).contiguous()
+        self.table = rows[:, None].contiguous()  # one slot (the row) per sequence
+
+    def attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               scale: float) -> torch.Tensor:
+        """``query`` ``(batch, heads, head_dim)`` contiguous, the step's ``key_states`` and
+        ``value_states`` ``(batch, kv_heads, 1, head_dim)`` (each head's vector contiguous) ->
+        attention output like ``query``. The kernel writes the new keys and values first."""
+        keys, values = self.batch.keys[layer_idx], self.batch.values[layer_idx]
+        batch, heads, head_dim = query.shape
+        _, kv_heads, capacity, _ = keys.shape
+        if key_states.stride(-1) != 1 or value_states.stride(-1) != 1 or key_states.stride(1) != head_dim \
+                or value_states.stride(1) != head_dim:
+            key_states, value_states = key_states.contiguous(), value_states.contiguous()
+        out = torch.empty_like(query)
+        self.lib.pdflow_decode_attention(
+            query.data_ptr(), batch, heads, kv_heads, head_dim, self.lengths.data_ptr(), self.table.data_ptr(), 1,
+            capacity, keys.data_ptr(), values.data_ptr(), kv_heads * capacity * head_dim, head_dim,
+            capacity * head_dim, key_states.data_ptr(), value_states.data_ptr(), key_states.stride(0),
+            value_states.stride(0), scale, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
 class DecodeBatch:
-    def __init__(self, loaded: LoadedModel, max_batch: int):
+    def __init__(self, loaded: LoadedModel, max_batch: int, attention_kernel: bool | None = None):
+        """``attention_kernel``: attend with pdflow's kernel (None: wherever it runs, i.e. the
+        compact engine in fp32 on the CPU with the kernels built) or with PyTorch's
+        ``scaled_dot_product_attention`` and a mask."""
         self.loaded = loaded
         self.max_batch = max_batch
+        fused = getattr(loaded.model, "fused", None)
+        usable = fused is not None and loaded.layout.dtype == "float32"
+        if attention_kernel and not usable:
+            raise ValueError("the attention kernel needs the compact engine in float32 on the CPU with pdflow's kernels")
+        self._kernel_lib = fused.lib if usable and attention_kernel is not False else None
         self.sequences: list[Sequence] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -102,10 +140,13 @@ class DecodeBatch:
         self._rows_cap, self._len_cap = new_rows, new_len
 
     def _clean_to(self, rows: int, length: int) -> None:
-        """Zero positions ``_clean .. length`` of the first ``rows`` rows and raise ``_clean``."""
+        """Zero positions ``_clean .. length`` of the first ``rows`` rows and raise ``_clean``
+        (the attention kernel reads no row past its end: it needs only the mark, which growth
+        copies up to)."""
         if length > self._clean:
-            for buf in (*self.keys, *self.values):
-                buf[:rows, :, self._clean : length] = 0
+            if self._kernel_lib is None:
+                for buf in (*self.keys, *self.values):
+                    buf[:rows, :, self._clean : length] = 0
             self._clean = length
 
     # every method that touches the buffers runs in inference mode: buffers made during a step are
@@ -165,13 +206,16 @@ class DecodeBatch:
         rows = torch.arange(len(seqs), device=device)
         input_ids = torch.tensor([[s.next_token] for s in seqs], device=device)
         mask = None
-        if len(seqs) > 1 or kv_len != int(lengths[0]) + 1:
+        if self._kernel_lib is not None:
+            cache = _KernelBatchCache(self, rows, lengths, kv_len, self._kernel_lib)
+        elif len(seqs) > 1 or kv_len != int(lengths[0]) + 1:
             visible = torch.arange(kv_len, device=device)[None, :] <= lengths[:, None]
             mask = torch.zeros(visible.shape, dtype=torch_dtype(self.loaded.layout.dtype), device=device)
             mask.masked_fill_(~visible, torch.finfo(mask.dtype).min)
             mask = mask[:, None, None, :]
-        cache = _BatchCache(self, rows, lengths, kv_len)
-        logits = logits_of_last_token(self.loaded.model, input_ids, lengths[:, None], mask, cache)
+        if self._kernel_lib is None:
+            cache = _BatchCache(self, rows, lengths, kv_len)
+        logits = self.loaded.model(input_ids, lengths[:, None], mask, cache)
         tokens = sample_batch(logits, [s.sampler for s in seqs])
         out = []
         for seq, token in zip(seqs, tokens):

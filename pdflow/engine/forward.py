@@ -1,8 +1,10 @@
-"""One forward pass through a Llama-family model's own transformers layers.
+"""The forward pass through transformers' own layers, for models the compact engine cannot run.
 
 pdflow calls the decoder layers itself (instead of ``model.forward``) so that it controls the
 attention mask and the cache object: prefill hands each layer's keys and values to the data plane
 from ``cache.update``; decode keeps a batch of sequences of different lengths in one buffer.
+Every engine forward (this one, :class:`pdflow.engine.llama.CompactLlama`) is called as
+``forward(input_ids, positions, mask, cache)`` and returns each row's last logits.
 """
 
 from __future__ import annotations
@@ -10,36 +12,41 @@ from __future__ import annotations
 import torch
 
 
-@torch.inference_mode()
-def logits_of_last_token(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    cache,
-) -> torch.Tensor:
-    """Run all layers; return the logits of each row's last position, shape ``(batch, vocab)``.
+class TransformersForward:
+    """A transformers causal LM run layer by layer (weights in the model's own dtype)."""
 
-    ``attention_mask`` is ``None`` (plain causal, no padding) or an additive 4-D float mask of
-    shape ``(batch, 1, query_len, kv_len)``. ``cache`` is any object with the transformers
-    ``update(key_states, value_states, layer_idx, **kwargs) -> (keys, values)`` method.
-    """
-    inner = model.model
-    hidden = inner.embed_tokens(input_ids)
-    position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
-    for layer in inner.layers[: model.config.num_hidden_layers]:
-        hidden = layer(
-            hidden,
-            attention_mask=attention_mask,
-            position_embeddings=position_embeddings,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-        )
-        if isinstance(hidden, tuple):
-            hidden = hidden[0]
-    hidden = inner.norm(hidden[:, -1:, :])
-    return model.lm_head(hidden)[:, -1, :].float()
+    def __init__(self, hf_model: torch.nn.Module):
+        self.hf_model = hf_model
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                cache) -> torch.Tensor:
+        """Run all layers; return the logits of each row's last position, shape ``(batch, vocab)``.
+
+        ``attention_mask`` is ``None`` (plain causal, no padding) or an additive 4-D float mask of
+        shape ``(batch, 1, query_len, kv_len)``. ``cache`` is any object with the transformers
+        ``update(key_states, value_states, layer_idx, **kwargs) -> (keys, values)`` method.
+        """
+        model = self.hf_model
+        inner = model.model
+        hidden = inner.embed_tokens(input_ids)
+        position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+        for layer in inner.layers[: model.config.num_hidden_layers]:
+            hidden = layer(
+                hidden,
+                attention_mask=attention_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        hidden = inner.norm(hidden[:, -1:, :])
+        return model.lm_head(hidden)[:, -1, :].float()
+
+    __call__ = forward
 
 
 def causal_mask(start: int, end: int, device, dtype: torch.dtype) -> torch.Tensor | None:

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import torch
 
+from pdflow.config.pipeline import DEFAULT_WEIGHTS
+from pdflow.engine import weights as weight_formats
+from pdflow.engine.forward import TransformersForward
+from pdflow.engine.llama import CompactLlama, unsupported_reason
 from pdflow.kv.layout import KvLayout, torch_dtype
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at run time
@@ -16,11 +20,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at r
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: torch.nn.Module
+    """``model`` is called as ``model(input_ids, positions, mask, cache)`` -> last logits."""
+
+    model: CompactLlama | TransformersForward
     layout: KvLayout
     eos_token_ids: frozenset[int]
     max_context: int
     device: torch.device
+    weights: str = DEFAULT_WEIGHTS
 
     @property
     def num_layers(self) -> int:
@@ -51,28 +58,43 @@ def _eos_ids(model_dir: Path, config) -> frozenset[int]:
 _LOADING = threading.Lock()
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    with _LOADING:
-        return _load_model(model_dir, dtype, device)
-
-
-def _load_model(model_dir: str | Path, dtype: str, device: str) -> LoadedModel:
-    """Load weights with sdpa attention, in eval mode, on ``device``."""
-    from transformers import AutoModelForCausalLM
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+               weights: str = DEFAULT_WEIGHTS) -> LoadedModel:
+    """Load a model for pdflow's loops: the compact engine with ``weights`` (a weight format's
+    name) where it can run the model, else transformers' own layers in ``dtype`` (``weights``
+    must then be ``fp32`` or the default). ``dtype`` is the activations' and the KV cache's."""
+    from transformers import AutoConfig
 
     model_dir = Path(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch_dtype(dtype), attn_implementation="sdpa"
-    )
-    model.to(device).eval()
-    config = model.config
+    compact = unsupported_reason(AutoConfig.from_pretrained(model_dir)) is None
+    with _LOADING:  # the compact engine packs from fp32 whatever it computes in
+        hf_model = load_transformers_model(model_dir, "float32" if compact else dtype, device)
+    config = hf_model.config
+    if compact:
+        forward = CompactLlama(hf_model, weight_formats.registry.load(weights)(), torch_dtype(dtype), torch.device(device))
+        del hf_model  # the compact engine holds its own (packed) copies
+    elif weights not in ("fp32", DEFAULT_WEIGHTS):  # the default falls back quietly; a choice does not
+        raise ValueError(f"weights = {weights!r} needs the compact engine, which cannot run this model: "
+                         f"{unsupported_reason(config)}; use weights = \"fp32\"")
+    else:
+        forward, weights = TransformersForward(hf_model), "fp32"
     return LoadedModel(
-        model=model,
+        model=forward,
         layout=KvLayout.from_config(config, dtype),
         eos_token_ids=_eos_ids(model_dir, config),
         max_context=int(getattr(config, "max_position_embeddings", 2048)),
         device=torch.device(device),
+        weights=weights,
     )
+
+
+def load_transformers_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
+    """transformers' own model (sdpa attention, eval mode, on ``device``): the reference the
+    engine is tested against, and the source of its weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=torch_dtype(dtype), attn_implementation="sdpa")
+    return model.to(device).eval()
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdflow.engine.forward import causal_mask, logits_of_last_token
+from pdflow.engine.forward import causal_mask
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler
 from pdflow.kv.layout import torch_dtype
@@ -69,6 +69,6 @@ def prefill(loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler, sink: 
     position_ids = torch.arange(start, len(prompt_ids), device=device).unsqueeze(0)
     mask = causal_mask(start, len(prompt_ids), device, torch_dtype(loaded.layout.dtype))
     cache = LayerStreamingCache(sink, past if start else None)
-    logits = logits_of_last_token(loaded.model, input_ids, position_ids, mask, cache)
+    logits = loaded.model(input_ids, position_ids, mask, cache)
     token = sampler.sample(logits[0])
     return PrefillResult(token, cache.layer_done, started, time.monotonic())

@@ -68,7 +68,8 @@ class DecodeStage(Stage):
 
     async def setup(self) -> None:
         topo, cfg = self.pipeline, self.config
-        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device)
+        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
+                                             topo.model.weights)
         self.from_shuttle = self.kv_receiver("destination")
         await self.from_shuttle.start()
         self.to_shuttle = self.kv_sender("destination")

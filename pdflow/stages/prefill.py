@@ -71,7 +71,8 @@ class PrefillStage(Stage):
 
     async def setup(self) -> None:
         topo, cfg = self.pipeline, self.config
-        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device)
+        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
+                                             topo.model.weights)
         self.to_shuttle = self.kv_sender("kv")
         self.from_shuttle = self.kv_receiver("kv")
         await self.from_shuttle.start()

@@ -41,7 +41,8 @@ class WorkerStage(Stage):
 
     async def setup(self) -> None:
         topo, cfg = self.topology, self.ctx.config
-        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device)
+        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
+                                             topo.model.weights)
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
         kv = topo.kv
         self.cache = None

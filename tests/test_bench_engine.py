@@ -1,0 +1,24 @@
+"""``pdflow bench engine``: a smoke run with tiny sizes prints every format beside its baselines."""
+
+from __future__ import annotations
+
+from pdflow.bench import engine
+
+
+def test_a_small_run_reports_each_format_with_its_floor_and_agreement(model_dir, capsys):
+    parser = __import__("argparse").ArgumentParser()
+    engine.add_arguments(parser)
+    args = parser.parse_args(["--weights", "fp32", "int4", "--batch", "1", "2", "--prefill", "16", "--steps", "2",
+                              "--prompts", "3", "--tokens", "4", "--context", "8"])
+    report = engine.run(args)
+    assert set(report["formats"]) == {"fp32", "int4"} and report["read_bandwidth"] > 1e8
+    for name, row in report["formats"].items():
+        assert set(row["decode"]) == {1, 2} and all(t > 0 for t in row["decode"].values())
+        assert row["weight_bytes"] > 0 and row["prefill"][16] > 0
+    int4, fp32 = report["formats"]["int4"], report["formats"]["fp32"]
+    assert int4["weight_bytes"] < fp32["weight_bytes"] / 4
+    assert fp32["agreement"] == 1.0 and fp32["identical_answers"] == 3
+    assert int4["agreement"] >= 0.9  # SmolLM2's int4 weights are its own (Q4_1) weights
+    text = engine.table(report)
+    for needed in ("transformers", "fp32", "int4", "eff. BW", "pdflow / transformers"):
+        assert needed in text

@@ -1,0 +1,156 @@
+"""Weight formats: the conformance suite every registered format passes, int4's exactness on a
+Q4_1 grid, and the compact engine against transformers on small models of each supported type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdflow.config.pipeline import DEFAULT_WEIGHTS
+from pdflow.engine.weights import BUILTIN, WeightFormat, registry
+from pdflow.engine.weights.formats import quantize_int4
+
+# relative error of x @ W.T that each built-in format stays within on Gaussian data
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "int8": 2e-2, "int4": 0.15}
+BITS = {"fp32": 32, "bf16": 16, "int8": 9, "int4": 6}  # per 32 weights, int8 an fp32 scale, int4 a scale and a minimum
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+@pytest.fixture(params=sorted(BUILTIN))
+def weight_format(request) -> WeightFormat:
+    return registry.load(request.param)()
+
+
+def test_every_format_multiplies_like_fp32(weight_format):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(192, 256), torch.randn(192)
+    packed = weight_format.pack(weight, bias)
+    assert (packed.out_features, packed.in_features) == (192, 256)
+    for shape in [(1, 256), (7, 256), (2, 5, 256), (100, 256)]:  # 100 rows: past the kernels' tiles
+        x = torch.randn(shape)
+        got = packed(x)
+        assert got.shape == (*shape[:-1], 192) and got.dtype == torch.float32
+        assert _relative_error(got, x @ weight.T + bias) < TOLERANCE[weight_format.name]
+    assert packed.nbytes <= 192 * 256 * BITS[weight_format.name] / 8 * 1.2  # scales are a small part
+    assert weight_format.kernel
+
+
+def test_every_format_keeps_bfloat16_activations(weight_format):
+    torch.manual_seed(1)
+    weight = torch.randn(64, 128)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    got = weight_format.pack(weight)(x)
+    assert got.dtype == torch.bfloat16
+    assert _relative_error(got, x.float() @ weight.T) < TOLERANCE[weight_format.name] + 2e-2
+
+
+def test_the_output_projection_may_keep_more_bits(weight_format):
+    weight = torch.randn(128, 64)
+    assert weight_format.pack(weight, output=True).nbytes >= weight_format.pack(weight).nbytes
+
+
+def test_int4_gives_back_a_q4_1_grid_exactly():
+    """GGUF Q4_1: per 32 inputs, w = q * d + m with q in 0..15 spanning the group's min and max."""
+    torch.manual_seed(2)
+    q = torch.randint(0, 16, (96, 8, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d, m = torch.rand(96, 8, 1) * 0.1 + 0.01, torch.randn(96, 8, 1)
+    weight = (q * d + m).reshape(96, 256)
+    codes, step, low = quantize_int4(weight)
+    back = (codes.reshape(96, 8, 32).float() * step[..., None] + low[..., None]).reshape(96, 256)
+    torch.testing.assert_close(back, weight, rtol=0, atol=1e-6)
+    packed = registry.load("int4")().pack(weight)
+    torch.testing.assert_close(packed.dequantized(), weight, rtol=0, atol=1e-6)
+    x = torch.randn(4, 256)
+    torch.testing.assert_close(packed(x), x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_gives_back_a_q8_0_grid_exactly():
+    """GGUF Q8_0: per 32 inputs, w = q * d with q in -127..127 and the largest |q| 127."""
+    torch.manual_seed(4)
+    q = torch.randint(-127, 128, (64, 4, 32)).float()
+    q[..., 0] = 127
+    weight = (q * (torch.rand(64, 4, 1) * 0.01 + 0.001)).reshape(64, 128)
+    packed = registry.load("int8")().pack(weight)
+    torch.testing.assert_close(packed.dequantized(), weight, rtol=0, atol=0)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(packed(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_kernels_and_their_pytorch_fallback_agree(name, monkeypatch):
+    from pdflow.engine import kernels
+
+    assert kernels.library() is not None, kernels.unavailable_reason()  # this machine has a compiler
+    torch.manual_seed(5)
+    packed = registry.load(name)().pack(torch.randn(80, 320), torch.randn(80))
+    x = torch.randn(5, 320)
+    with_kernels = packed(x)
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    torch.testing.assert_close(packed(x), with_kernels, rtol=1e-5, atol=1e-5)
+
+
+def test_a_matrix_without_groups_of_32_inputs_stays_fp32():
+    for name in ("int8", "int4"):
+        packed = registry.load(name)().pack(torch.randn(10, 40))
+        assert packed.nbytes == 10 * 40 * 4
+
+
+def test_unknown_formats_name_the_known_ones():
+    problem = registry.availability("int3")
+    assert "int3" in problem and all(name in problem for name in BUILTIN)
+
+
+# --- the compact engine on small random models of each supported type ------------------------
+
+def _tiny(model_type: str, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, tie_word_embeddings=model_type == "llama")
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_compact_engine_equals_transformers_logits(model_type, tmp_path):
+    from pdflow.engine import load_model
+    from pdflow.engine.forward import TransformersForward
+    from pdflow.engine.llama import CompactLlama
+
+    reference = _tiny(model_type, tmp_path)
+    loaded = load_model(tmp_path, weights="fp32")
+    assert isinstance(loaded.model, CompactLlama)
+    ids = torch.randint(0, 256, (2, 20))
+    positions = torch.arange(20)[None].expand(2, 20)
+    with torch.inference_mode():
+        want = reference(ids).logits[:, -1]
+
+    class Keep:
+        def update(self, keys, values, layer, **_):
+            return keys, values
+
+    torch.testing.assert_close(loaded.model(ids, positions, None, Keep()), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(TransformersForward(reference)(ids, positions, None, Keep()), want,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_the_compact_engine_cannot_run_says_why(tmp_path):
+    from pdflow.engine import load_model
+    from pdflow.engine.llama import unsupported_reason
+
+    reference = _tiny("llama", tmp_path)
+    reference.config.hidden_act = "gelu"
+    assert "activation" in unsupported_reason(reference.config)
+    reference.config.save_pretrained(tmp_path)
+    chosen = next(name for name in BUILTIN if name not in ("fp32", DEFAULT_WEIGHTS))
+    with pytest.raises(ValueError, match=f"{chosen}.*activation"):
+        load_model(tmp_path, weights=chosen)
+    for quiet in ("fp32", DEFAULT_WEIGHTS):  # transformers' own layers run it
+        assert load_model(tmp_path, weights=quiet).weights == "fp32"
