@@ -6,11 +6,14 @@ keys and values fused into one; gate and up fused into one), the final norm and 
 projection, plus a rotary table computed once for every position. There is no mask building and
 no cache bookkeeping: each layer hands its new keys and values to ``cache.update`` (the same
 protocol as transformers' caches: ``update(keys, values, layer) -> (all keys, all values)``, both
-``(batch, kv_heads, tokens, head_dim)``) and attends over what it returns.
+``(batch, kv_heads, tokens, head_dim)``) and attends over what it returns; or, for one-token
+steps, to ``cache.attend(query, keys, values, layer, scale)`` where the cache has it (decode's
+batch, which attends in place with pdflow's kernel).
 
-Keys and values come out of the fused projection token-major, ``(batch, tokens, kv_heads,
-head_dim)``; the tensors handed to ``update`` are head-major views of them, so a cache that wants
-token-major memory (prefill's layer streaming) gets it without a copy.
+Keys come out of the rotary step token-major and contiguous, ``(batch, tokens, kv_heads,
+head_dim)``, and values as a token-major view into the fused projection's output; the tensors
+handed to the cache are head-major views of them, so a cache that wants token-major memory
+(prefill's layer streaming) gets the keys without a copy.
 
 Numerics follow transformers' Llama: RMSNorm in fp32, rotary ``x * cos + rotate_half(x) * sin``
 from the same table, ``scaled_dot_product_attention`` with the key/value heads shared across
