@@ -93,6 +93,19 @@ def test_kernels_and_their_pytorch_fallback_agree(name, monkeypatch):
     torch.testing.assert_close(packed(x), with_kernels, rtol=1e-5, atol=1e-5)
 
 
+def test_quantized_formats_on_another_device_never_reach_the_cpu_kernels(monkeypatch):
+    """The kernels take CPU pointers: a weight elsewhere (a GPU; here a meta tensor standing in)
+    is dequantized by PyTorch on its own device instead."""
+    from pdflow.engine import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "library", lambda: calls.append(1))
+    for name in ("int8", "int4"):
+        packed = registry.load(name)().pack(torch.randn(64, 128, device="meta"))
+        assert packed(torch.randn(2, 128, device="meta")).device.type == "meta"
+    assert not calls
+
+
 def test_a_matrix_without_groups_of_32_inputs_stays_fp32():
     for name in ("int8", "int4"):
         packed = registry.load(name)().pack(torch.randn(10, 40))

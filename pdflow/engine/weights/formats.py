@@ -106,9 +106,9 @@ class _Grouped(PackedLinear):
         self.q, self.scales, self.lows = q, scales, lows
 
     def dequantized(self) -> torch.Tensor:
-        """The weight in fp32, ``(out, in)`` (a fresh copy)."""
-        out = torch.empty(self.out_features, self.in_features)
-        lib = kernels.library()
+        """The weight in fp32, ``(out, in)`` (a fresh copy, on the weight's device)."""
+        lib = kernels.library() if self.q.device.type == "cpu" else None  # the kernels are the CPU's
+        out = torch.empty(self.out_features, self.in_features) if lib is not None else None
         threads = torch.get_num_threads()
         if self.lows is None:
             if lib is not None:
@@ -128,7 +128,7 @@ class _Grouped(PackedLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
         rows = x.shape[0]
-        lib = kernels.library()
+        lib = kernels.library() if x.device.type == "cpu" else None
         if lib is None or rows > kernels.MAX_ROWS or self.in_features > kernels.MAX_INPUTS:
             return F.linear(x, self.dequantized())
         y = torch.empty(rows, self.out_features)
