@@ -65,7 +65,7 @@ class _Discard:
         return keys, values
 
 
-def pdflow_times(loaded, batches, prompts, context: int, steps: int) -> dict:
+def pdflow_times(loaded, batches, prefills, context: int, steps: int) -> dict:
     """Decode step (s) at each batch size over ``context``-token sequences, prefill (s) per length."""
     from pdflow.engine import DecodeBatch, Sampler, Sequence
     from pdflow.messages import SamplingParams
@@ -81,14 +81,14 @@ def pdflow_times(loaded, batches, prompts, context: int, steps: int) -> dict:
                   for _ in range(layout.num_layers)]
             batch.add(Sequence(str(i), context, 100 + i, sampler), kv.__getitem__)
         out["decode"][size] = _median_time(batch.step, steps)
-    for tokens in prompts:
+    for tokens in prefills:
         ids = torch.randint(100, 40000, (1, tokens))
         positions = torch.arange(tokens)[None]
         out["prefill"][tokens] = _median_time(lambda: loaded.model(ids, positions, None, _Discard()), 3, warmup=1)
     return out
 
 
-def transformers_times(hf_model, batches, prompts, context: int, steps: int) -> dict:
+def transformers_times(hf_model, batches, prefills, context: int, steps: int) -> dict:
     """transformers' eager forward with its own DynamicCache, the same shapes."""
     from transformers import DynamicCache
 
@@ -112,7 +112,7 @@ def transformers_times(hf_model, batches, prompts, context: int, steps: int) -> 
                 state["position"] += 1
 
             out["decode"][size] = _median_time(step, steps)
-        for tokens in prompts:
+        for tokens in prefills:
             ids = torch.randint(100, 40000, (1, tokens))
             out["prefill"][tokens] = _median_time(lambda: hf_model(input_ids=ids, use_cache=False), 3, warmup=1)
     return out

@@ -167,9 +167,8 @@ class CompactLlama:
         self.embed = inner.embed_tokens.weight.detach().to(device=device, dtype=dtype).contiguous()
         self.norm = norm(inner.norm)
         self.lm_head = pack(hf_model.lm_head, output=True)
-        self.max_positions = int(getattr(config, "max_position_embeddings", 2048))
         rotary = inner.rotary_emb
-        positions = torch.arange(self.max_positions, dtype=torch.long)[None]
+        positions = torch.arange(int(getattr(config, "max_position_embeddings", 2048)), dtype=torch.long)[None]
         with torch.inference_mode():
             cos, sin = rotary(torch.empty(0, dtype=dtype), positions)
         self.cos, self.sin = cos[0].to(device).contiguous(), sin[0].to(device).contiguous()  # (positions, head_dim)

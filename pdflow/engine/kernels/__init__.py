@@ -109,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (and why, logged once) if they cannot be."""
     global _loaded, _failure
+    if _loaded is not None:  # every matrix product asks: no lock once built
+        return _loaded
     with _lock:
         if _loaded is None and _failure is None:
             compiler = _compiler()

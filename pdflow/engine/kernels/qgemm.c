@@ -1,10 +1,11 @@
 /* Weight-only quantized matrix products for pdflow's engine: y = x @ W.T with W in int8 or int4
  * groups of 32 inputs, x and y in fp32, for the few rows of a decode step.
  *
- * Each output row n reads its weights once and shares them across the M rows of x: a group of 32
- * weights is unpacked and scaled into registers once, then multiplied into M accumulators of 32
- * lanes (elementwise, so the compiler vectorizes it with no horizontal sum in the loop). Threads
- * split the output rows. Built at first use with -O3 -march=native (pdflow/engine/kernels).
+ * Each output row n reads its weights once and shares them across the rows of x: with one row, a
+ * group of 32 weights is unpacked and scaled into registers and multiplied straight in; with
+ * more, the output row's weights are unpacked once into an fp32 buffer (in L1) and multiplied
+ * into tiles of 4 rows of x. Threads split the output rows. Built at first use with -O3
+ * -march=native (pdflow/engine/kernels); the callers keep rows <= MAX_ROWS and k <= 8192.
  *
  * Layouts (row-major, n = output row, g = group of 32 inputs):
  *   int8: q8[n][g][32] signed; scale[n][g]; w = q * scale                  (GGUF Q8_0's rule)

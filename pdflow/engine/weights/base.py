@@ -40,12 +40,8 @@ class WeightFormat:
 
     name: ClassVar[str] = ""
     kernel: ClassVar[str] = ""
-    exact: ClassVar[bool] = False  # equal to fp32 up to the order of float operations
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, output: bool = False) -> PackedLinear:
         """``output``: the model's output projection (``lm_head``), which a format may keep at
         more bits than the layers' (as 4-bit GGUFs do)."""
         raise NotImplementedError
-
-    def describe(self) -> str:
-        return f"{self.name}: {self.kernel}"

@@ -40,7 +40,7 @@ class _Dense(PackedLinear):
 
 
 class Fp32(WeightFormat):
-    name, kernel, exact = "fp32", "F.linear (oneDNN/MKL sgemm)", True
+    name, kernel = "fp32", "F.linear (oneDNN/MKL sgemm)"
 
     def pack(self, weight, bias=None, *, output=False):
         return _Dense(weight.float().contiguous(), bias)
