@@ -258,3 +258,31 @@ def test_chunked_prefill_from_a_cached_prefix_equals_generate(engine, reference)
     assert tokens == expected
     tail_keys, _ = run.token_major(96, len(ids))
     torch.testing.assert_close(tail_keys[7], keys[7][96:], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_steps_run_wholly_in_c_equal_the_layer_by_layer_path(engine, served_model, monkeypatch):
+    """With the served (quantized) weights, a decode step runs every layer in one call into the
+    kernels; the same kernels called layer by layer from Python give the same logits, alone and
+    with sequences joining a running batch."""
+    import pdflow.engine.decode as decode
+
+    loaded, _ = served_model
+    _, prompts = engine
+    assert loaded.model.native_layers is not None, "the default weights have a C form"
+    seen: list[torch.Tensor] = []
+    real_sample = decode.sample_batch
+
+    def keep(logits, samplers):
+        seen.append(logits.clone())
+        return real_sample(logits, samplers)
+
+    monkeypatch.setattr(decode, "sample_batch", keep)
+    whole = _decode(loaded, prompts, join_after={1: 3, 2: 5, 3: 9})
+    whole_logits = list(seen)
+    seen.clear()
+    monkeypatch.setattr(loaded.model, "native_layers", None)
+    by_layer = _decode(loaded, prompts, join_after={1: 3, 2: 5, 3: 9})
+    assert whole == by_layer
+    assert len(whole_logits) == len(seen) > 10
+    for a, b in zip(whole_logits, seen):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

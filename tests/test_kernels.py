@@ -70,3 +70,38 @@ def test_decode_attention_reads_paged_token_major_blocks():
         want = F.scaled_dot_product_attention(query[b][None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                               scale=0.2, enable_gqa=True)[0, :, 0]
         torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):
+    """On a CPU without AVX2 the same file compiles to plain C loops: built here with AVX2 turned
+    off, every product gives the vectorized build's results (up to float order)."""
+    import ctypes
+    import shutil
+
+    import pytest
+
+    from pdflow.engine.weights import registry
+
+    lib = kernels.library()
+    compiler = kernels._compiler()
+    if lib is None or compiler is None or not shutil.which(compiler):
+        pytest.skip(kernels.unavailable_reason() or "no compiler")
+    target = tmp_path / "portable.so"
+    subprocess.run([compiler, "-O2", "-mno-avx2", "-fopenmp", "-shared", "-fPIC", "-o", str(target),
+                    str(kernels.SOURCE), "-lm"], check=True, capture_output=True, timeout=300)
+    portable = kernels._declare(ctypes.CDLL(str(target)))
+    torch.manual_seed(7)
+    products = {"int4": "pdflow_q4_gemm", "int8": "pdflow_q8_gemm", "int4-a16": "pdflow_q4a16_gemm",
+                "int8-a16": "pdflow_q8a16_gemm", "int4-a8": "pdflow_q4a8_gemm", "int8-a8": "pdflow_q8a8_gemm"}
+    for name, function in products.items():
+        packed = registry.load(name)().pack(torch.randn(96, 320))
+        for rows in (1, 7):
+            x = torch.randn(rows, 320)
+            results = []
+            for library in (portable, lib):
+                y = torch.empty(rows, 96)
+                lows = [] if packed.lows is None else [packed.lows.data_ptr()]
+                getattr(library, function)(x.data_ptr(), rows, 320, packed.q.data_ptr(), packed.scales.data_ptr(),
+                                           *lows, 96, y.data_ptr(), 2)
+                results.append(y)
+            torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-4, msg=f"{name}, {rows} rows")

@@ -11,8 +11,10 @@ from pdflow.engine.weights import BUILTIN, WeightFormat, registry
 from pdflow.engine.weights.formats import quantize_int4
 
 # relative error of x @ W.T that each built-in format stays within on Gaussian data
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "int8": 2e-2, "int4": 0.15}
-BITS = {"fp32": 32, "bf16": 16, "int8": 9, "int4": 6}  # per 32 weights, int8 an fp32 scale, int4 a scale and a minimum
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "int8": 2e-2, "int4": 0.15, "int8-a16": 2e-2, "int4-a16": 0.15,
+             "int8-a8": 3e-2, "int4-a8": 0.15}
+# bits per weight: per 32 weights, int8 an fp32 scale, int4 a scale and a minimum
+BITS = {"fp32": 32, "bf16": 16, "int8": 9, "int4": 6, "int8-a16": 9, "int4-a16": 6, "int8-a8": 9, "int4-a8": 6}
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -93,6 +95,32 @@ def test_kernels_and_their_pytorch_fallback_agree(name, monkeypatch):
     torch.testing.assert_close(packed(x), with_kernels, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["int8-a16", "int4-a16", "int8-a8", "int4-a8"])
+def test_quantized_activations_are_what_the_format_says(name):
+    """x is quantized per group of 32 to 16 or 8 bits (scale = the group's largest magnitude /
+    32767 or 127, nearest, ties to even) and multiplied by the packed weights: the kernels equal
+    that computation done in PyTorch (up to float order), for one row and for tiles of rows."""
+    from pdflow.engine import kernels
+
+    assert kernels.library() is not None, kernels.unavailable_reason()
+    torch.manual_seed(6)
+    packed = registry.load(name)().pack(torch.randn(80, 320) * 0.05, torch.randn(80))
+    top_code = 32767 if name.endswith("a16") else 127
+    weight = packed.dequantized()
+    for rows in (1, 6, 64):
+        x = torch.randn(rows, 320) * torch.linspace(0.1, 10, 320)  # groups of very different ranges
+        x[0, :32] = 0  # an all-zero group
+        groups = x.view(rows, -1, 32)
+        top = groups.abs().amax(-1, keepdim=True)
+        inverse = torch.where(top > 0, top_code / top, torch.zeros_like(top))
+        step = top / top_code
+        quantized = (torch.round(groups * inverse) * step).view(rows, 320)
+        want = quantized.double() @ weight.double().T + packed.bias.double()
+        torch.testing.assert_close(packed(x).double(), want, rtol=2e-5, atol=2e-5 * float(want.abs().max()))
+        exact = x.double() @ weight.double().T + packed.bias.double()
+        assert _relative_error(packed(x), exact) < (1e-3 if top_code == 32767 else 3e-2)
+
+
 def test_quantized_formats_on_another_device_never_reach_the_cpu_kernels(monkeypatch):
     """The kernels take CPU pointers: a weight elsewhere (a GPU; here a meta tensor standing in)
     is dequantized by PyTorch on its own device instead."""
@@ -167,3 +195,44 @@ def test_a_model_the_compact_engine_cannot_run_says_why(tmp_path):
         load_model(tmp_path, weights=chosen)
     for quiet in ("fp32", DEFAULT_WEIGHTS):  # transformers' own layers run it
         assert load_model(tmp_path, weights=quiet).weights == "fp32"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: biases on the fused QKV product
+def test_a_decode_step_wholly_in_c_equals_the_layer_by_layer_path(model_type, tmp_path, monkeypatch):
+    import pdflow.engine.decode as decode
+    from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model, prefill
+    from pdflow.messages import SamplingParams
+
+    model = _tiny(model_type, tmp_path)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):  # initialised to zeros
+                parameter.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, weights="int4-a16")
+    assert loaded.model.native_layers is not None
+    seen: list[torch.Tensor] = []
+    real_sample = decode.sample_batch
+    monkeypatch.setattr(decode, "sample_batch", lambda logits, samplers: (seen.append(logits.clone()),
+                                                                           real_sample(logits, samplers))[1])
+
+    def run() -> list[torch.Tensor]:
+        seen.clear()
+        batch = DecodeBatch(loaded, max_batch=4)
+        for i, length in enumerate((5, 17, 40)):
+            kv = {}
+            sampler = Sampler(SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+            result = prefill(loaded, list(range(3 + i, 3 + i + length)), sampler,
+                             lambda layer, k, v: kv.__setitem__(layer, (k.transpose(0, 1), v.transpose(0, 1))))
+            batch.add(Sequence(str(i), length, result.first_token, sampler), kv.__getitem__)
+            batch.step()
+        for _ in range(6):
+            batch.step()
+        return list(seen)
+
+    whole = run()
+    monkeypatch.setattr(loaded.model, "native_layers", None)
+    by_layer = run()
+    assert len(whole) == len(by_layer) == 9
+    for a, b in zip(whole, by_layer):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 DESCRIPTION = __doc__
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("fp32", "bf16", "int8", "int4", "int8-a16", "int4-a16", "int8-a8", "int4-a8")
 TASKS = ("Explain {} to a child in three sentences.", "Write a short poem about {}.",
          "List three facts about {}.", "What is the history of {}?", "Give me advice about {}.",
          "Describe {} in one paragraph.", "Why do people care about {}?", "Tell a short story about {}.",
@@ -155,8 +155,12 @@ def llama_cpp_times(python: str, gguf: str, threads: int, context: int, steps: i
             "prefill": {int(k): v for k, v in raw["prefill"].items()}}
 
 
-def greedy_answers(loaded, prompts: list[list[int]], tokens: int, batch_size: int = 32) -> list[list[int]]:
-    """Each prompt's greedy answer of ``tokens`` tokens (no stop at end-of-sequence)."""
+def greedy_answers(loaded, prompts: list[list[int]], tokens: int, batch_size: int = 32,
+                   forced: list[list[int]] | None = None) -> list[list[int]]:
+    """Each prompt's greedy answer of ``tokens`` tokens (no stop at end-of-sequence), computed as
+    serving computes it: prefill, then decode steps of a batch. With ``forced`` (answers to
+    follow), each step is fed the forced answer's token instead of its own pick (teacher forcing),
+    and the picks are returned."""
     from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
     from pdflow.messages import SamplingParams
 
@@ -165,7 +169,7 @@ def greedy_answers(loaded, prompts: list[list[int]], tokens: int, batch_size: in
         group = prompts[first: first + batch_size]
         batch = DecodeBatch(loaded, max_batch=len(group))
         seqs = []
-        for i, ids in enumerate(group):
+        for i, ids in enumerate(group, start=first):
             kv = {}
 
             def sink(layer, keys, values, kv=kv):
@@ -174,25 +178,25 @@ def greedy_answers(loaded, prompts: list[list[int]], tokens: int, batch_size: in
             sampler = Sampler(SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
             result = prefill(loaded, ids, sampler, sink)
             seq = Sequence(str(i), len(ids), result.first_token, sampler, extra={"out": [result.first_token]})
+            if forced is not None:
+                seq.next_token = forced[i][0]
             batch.add(seq, kv.__getitem__)
             seqs.append(seq)
-        for _ in range(tokens - 1):
+        for step in range(1, tokens):
             for seq, token in batch.step():
                 seq.extra["out"].append(token)
+                if forced is not None:
+                    seq.next_token = forced[int(seq.request_id)][step]
         answers.extend(seq.extra["out"] for seq in seqs)
     return answers
 
 
 def teacher_forced_agreement(loaded, prompts, answers) -> tuple[int, int]:
-    """(positions where ``loaded`` picks fp32's next token, positions) along fp32's answers."""
-    agree = total = 0
-    for ids, answer in zip(prompts, answers):
-        sequence = torch.tensor([ids + answer[:-1]])
-        logits = loaded.model(sequence, torch.arange(sequence.shape[1])[None], None, _Discard(), every_position=True)
-        picks = logits[0, len(ids) - 1:].argmax(-1).tolist()
-        agree += sum(p == a for p, a in zip(picks, answer))
-        total += len(answer)
-    return agree, total
+    """(positions where ``loaded`` picks fp32's next token, positions) along fp32's answers, each
+    position computed as serving computes it (prefill, then batched decode steps)."""
+    picks = greedy_answers(loaded, prompts, len(answers[0]), forced=answers)
+    agree = sum(p == a for pick, answer in zip(picks, answers) for p, a in zip(pick, answer))
+    return agree, sum(len(a) for a in answers)
 
 
 def run(args: argparse.Namespace, progress=sys.stderr) -> dict:

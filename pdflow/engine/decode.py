@@ -19,10 +19,12 @@ must still hold a finite number (0 × NaN is NaN), so every row in use is kept f
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
 
+from pdflow.engine import kernels
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler, sample_batch
 from pdflow.kv.layout import torch_dtype
@@ -61,13 +63,22 @@ class _BatchCache:
 class _KernelBatchCache(_BatchCache):
     """Also ``attend``: write the step's keys and values, then attend with pdflow's decode-attention
     kernel straight from the batch buffers, each row over its own positions only (no mask, no
-    slice, nothing read past a row's end)."""
+    slice, nothing read past a row's end); and ``blocks()``, the same addressing for a step run
+    wholly in C (:meth:`CompactLlama.forward`)."""
 
     def __init__(self, batch: "DecodeBatch", rows: torch.Tensor, positions: torch.Tensor, kv_len: int, lib):
         super().__init__(batch, rows, positions, kv_len)
         self.lib = lib
         self.lengths = (positions + 1).contiguous()
         self.table = rows[:, None].contiguous()  # one slot (the row) per sequence
+
+    def blocks(self) -> kernels.CacheBlocks:
+        keys, values = self.batch.keys, self.batch.values
+        _, kv_heads, capacity, head_dim = keys[0].shape
+        pointers = ctypes.c_void_p * len(keys)
+        return kernels.CacheBlocks(self.lengths, self.table, 1, capacity, pointers(*(k.data_ptr() for k in keys)),
+                                   pointers(*(v.data_ptr() for v in values)), kv_heads * capacity * head_dim,
+                                   head_dim, capacity * head_dim)
 
     def attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                scale: float) -> torch.Tensor:

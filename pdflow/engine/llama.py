@@ -174,6 +174,20 @@ class CompactLlama:
         self.cos, self.sin = cos[0].to(device).contiguous(), sin[0].to(device).contiguous()  # (positions, head_dim)
         lib = kernels.library() if dtype == torch.float32 and device.type == "cpu" else None
         self.fused = FusedSteps(lib) if lib is not None else None
+        self.native_layers = self._native_layers() if lib is not None else None
+        self.intermediate = self.layers[0].down.in_features if self.layers else 0
+
+    def _native_layers(self):
+        """Every layer as the C side reads it, for decode steps run wholly in C; None unless every
+        matrix's format has a C form (the int8/int4 formats)."""
+        native = kernels.Layer * len(self.layers)
+        layers = []
+        for layer in self.layers:
+            matrices = [m.native() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(m is None for m in matrices):
+                return None
+            layers.append(kernels.Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *matrices))
+        return native(*layers)
 
     @property
     def weight_bytes(self) -> int:
@@ -193,6 +207,10 @@ class CompactLlama:
         steps = self.fused if self.fused is not None and rows <= kernels.MAX_ROWS else TORCH_STEPS
         hidden = F.embedding(input_ids.reshape(rows), self.embed)  # (rows, hidden): row = (sequence, token)
         flat_positions = positions.reshape(rows)
+        blocks = getattr(cache, "blocks", None) if tokens == 1 and steps is self.fused else None
+        if blocks is not None and self.native_layers is not None:  # the whole step in C
+            self._native_step(hidden, flat_positions.contiguous(), blocks())
+            return self.lm_head(steps.norm(hidden, self.norm, self.eps)).float()
         cos, sin = self.cos[flat_positions], self.sin[flat_positions]
         causal = mask is None and tokens > 1
         attend = getattr(cache, "attend", None) if tokens == 1 else None  # a decode cache's own attention
@@ -216,5 +234,14 @@ class CompactLlama:
         last = hidden.view(batch, tokens, -1)[:, -1]
         return self.lm_head(TORCH_STEPS.norm(last, self.norm, self.eps) if steps is TORCH_STEPS
                             else steps.norm(last.contiguous(), self.norm, self.eps)).float()
+
+    def _native_step(self, hidden: torch.Tensor, positions: torch.Tensor, blocks: kernels.CacheBlocks) -> None:
+        """Every layer of a one-token step in one call into the kernels (``hidden`` in place)."""
+        self.fused.lib.pdflow_decode_layers(
+            self.native_layers, len(self.layers), hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.num_heads,
+            self.num_kv_heads, self.head_dim, self.intermediate, self.eps, positions.data_ptr(), self.cos.data_ptr(),
+            self.sin.data_ptr(), blocks.lengths.data_ptr(), blocks.table.data_ptr(), blocks.table_width,
+            blocks.block_tokens, blocks.keys, blocks.values, blocks.slot_stride, blocks.token_stride,
+            blocks.head_stride, self.scaling, torch.get_num_threads())
 
     __call__ = forward

@@ -28,6 +28,10 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("pdflow.engine.kernels")
 
@@ -36,6 +40,40 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 MAX_ROWS = 64  # rows of x one call takes (the C side's tiles); more go to sgemm
 MAX_INPUTS = 8192  # in_features the C side's row buffer holds
+
+
+
+class Matrix(ctypes.Structure):
+    """``pdflow_matrix``: a packed weight as the C side reads it (see qgemm.c)."""
+
+    _fields_ = [("bits", ctypes.c_int32), ("activation_bits", ctypes.c_int32), ("n_out", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("low", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    """``pdflow_layer``: one decoder layer's norms and packed matrices."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", Matrix), ("o", Matrix),
+                ("gate_up", Matrix), ("down", Matrix)]
+
+
+class CacheBlocks(NamedTuple):
+    """Where a decode batch's keys and values are, as ``pdflow_decode_attention`` addresses them:
+    token t of sequence b is row ``t % block_tokens`` of slot ``table[b][t // block_tokens]``; its
+    key for kv head h in layer l at ``keys[l] + slot * slot_stride + row * token_stride + h *
+    head_stride`` floats (values alike). ``lengths[b]``: tokens of b including the step's own."""
+
+    lengths: "torch.Tensor"
+    table: "torch.Tensor"
+    table_width: int
+    block_tokens: int
+    keys: ctypes.Array
+    values: ctypes.Array
+    slot_stride: int
+    token_stride: int
+    head_stride: int
+
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
@@ -93,6 +131,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pdflow_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
     lib.pdflow_q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
+    lib.pdflow_q8a8_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.pdflow_q4a8_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
+    lib.pdflow_q8a16_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.pdflow_q4a16_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
     lib.pdflow_q8_dequantize.argtypes = [p, p, i64, i64, p, i32]
     lib.pdflow_q4_dequantize.argtypes = [p, p, p, i64, i64, p, i32]
     lib.pdflow_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
@@ -100,7 +142,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pdflow_silu_mul.argtypes = [p, i64, i64, p]
     lib.pdflow_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64, i64, i64,
                                             p, p, i64, i64, ctypes.c_float, p, i32]
-    for fn in (lib.pdflow_q8_gemm, lib.pdflow_q4_gemm, lib.pdflow_q8_dequantize, lib.pdflow_q4_dequantize,
+    lib.pdflow_decode_layers.argtypes = [ctypes.POINTER(Layer), i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                                         p, p, p, p, p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, i32]
+    for fn in (lib.pdflow_decode_layers, lib.pdflow_q8_gemm, lib.pdflow_q4_gemm, lib.pdflow_q8a8_gemm, lib.pdflow_q4a8_gemm,
+               lib.pdflow_q8a16_gemm, lib.pdflow_q4a16_gemm, lib.pdflow_q8_dequantize, lib.pdflow_q4_dequantize,
                lib.pdflow_rms_norm, lib.pdflow_rope, lib.pdflow_silu_mul, lib.pdflow_decode_attention):
         fn.restype = None
     return lib

@@ -14,6 +14,7 @@
  */
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GROUP 32
@@ -225,6 +226,417 @@ void pdflow_q4_dequantize(const uint8_t *q, const float *scale, const float *low
         }
 }
 
+/* ---- products with int8 activations (formats int8-a8 and int4-a8): each row of x is quantized
+ * per group of 32 inputs, as GGUF's Q8_0 does for llama.cpp's dot products (xs = the group's
+ * largest magnitude / 127, xq = round(x / xs)), and each group's dot product is computed in
+ * integers: sum(w * x) ≈ sw * xs * sum(qw * xq) (+ low * xs * sum(xq) for int4: the sum of the
+ * quantized x, so that the error is sum(w * (xq * xs - x)) as for int8, not sum((w - low) * ...)).
+ * Four times the multiplies per instruction of fp32, and no weight unpacking to floats.
+ * The x buffers: xq[rows][k] int8, xs[rows][groups], xsum[rows][groups] floats. ---- */
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *xq, float *xs, float *xsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t g = 0; g < k / GROUP; g++) {
+            const float *xg = x + m * k + g * GROUP;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xg + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float top = _mm_cvtss_f32(h);
+            const int64_t at = m * (k / GROUP) + g;
+            xs[at] = top / 127.0f;
+            const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+            __m256i i[4];
+            for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  /* nearest, ties to even */
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+            _mm256_storeu_si256((__m256i *)(xq + m * k + g * GROUP), _mm256_permutevar8x32_epi32(packed, order));
+            const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            xsum[at] = xs[at] * reduce8(_mm256_cvtepi32_ps(sums));
+        }
+}
+
+/* 32 unsigned bytes times 32 signed bytes: 8 sums of 4 products, as floats (|pair| <= 2 * 255 * 127
+ * would saturate 16 bits, so callers keep the unsigned side <= 127: int4 codes, or |int8 weights|) */
+static inline __m256 dot_us8(__m256i u, __m256i s) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* an int4 group's 16 bytes -> its 32 codes in input order */
+static inline __m256i unpack4(const uint8_t *qg) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qg), nibble = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nibble), _mm_and_si128(b, nibble));
+}
+
+/* y[m][n] for one output row n whose 32-byte groups are w (codes, unsigned side: wu; their signs
+ * applied to x: negative for int8 weights) against every row of quantized x */
+static void a8_rows(const uint8_t *wu, const int8_t *wsign, const float *sw, const int8_t *xq, const float *xs,
+                    int64_t rows, int64_t k, float *y, int64_t stride) {
+    const int64_t groups = k / GROUP;
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256i u = _mm256_load_si256((const __m256i *)(wu + g * GROUP));
+            const __m256i sg = wsign ? _mm256_load_si256((const __m256i *)(wsign + g * GROUP)) : u;
+            for (int t = 0; t < 4; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m + t) * k + g * GROUP));
+                if (wsign) xv = _mm256_sign_epi8(xv, sg);
+                a[t] = _mm256_fmadd_ps(dot_us8(u, xv), _mm256_set1_ps(sw[g] * xs[(m + t) * groups + g]), a[t]);
+            }
+        }
+        for (int t = 0; t < 4; t++) y[(m + t) * stride] = reduce8(a[t]);
+    }
+    for (; m < rows; m++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256i u = _mm256_load_si256((const __m256i *)(wu + g * GROUP));
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * k + g * GROUP));
+            if (wsign) xv = _mm256_sign_epi8(xv, _mm256_load_si256((const __m256i *)(wsign + g * GROUP)));
+            const __m256 d = _mm256_fmadd_ps(dot_us8(u, xv), _mm256_set1_ps(sw[g] * xs[m * groups + g]), a0);
+            a0 = a1;
+            a1 = d;
+        }
+        y[m * stride] = reduce8(_mm256_add_ps(a0, a1));
+    }
+}
+
+static void q4a8_product(const int8_t *xq, const float *xs, const float *xsum, int64_t rows, int64_t k,
+                         const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const uint8_t *qn = q + n * (k / 2);
+        const float *sn = scale + n * groups, *ln = low + n * groups;
+        if (rows == 1) {  /* codes unpacked into registers and used once */
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            float base = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
+                const __m256 d = _mm256_fmadd_ps(dot_us8(unpack4(qn + g * (GROUP / 2)), xv), _mm256_set1_ps(sn[g] * xs[g]), a0);
+                a0 = a1;
+                a1 = d;
+                base += ln[g] * xsum[g];
+            }
+            y[n] = reduce8(_mm256_add_ps(a0, a1)) + base;
+            continue;
+        }
+        uint8_t codes[8192] __attribute__((aligned(32)));  /* the row's codes, unpacked once (L1) */
+        for (int64_t g = 0; g < groups; g++) _mm256_store_si256((__m256i *)(codes + g * GROUP), unpack4(qn + g * (GROUP / 2)));
+        a8_rows(codes, NULL, sn, xq, xs, rows, k, y + n, n_out);
+        for (int64_t m = 0; m < rows; m++) {
+            float base = 0.0f;
+            for (int64_t g = 0; g < groups; g++) base += ln[g] * xsum[m * groups + g];
+            y[m * n_out + n] += base;
+        }
+    }
+}
+
+static void q8a8_product(const int8_t *xq, const float *xs, int64_t rows, int64_t k, const int8_t *q,
+                         const float *scale, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const int8_t *qn = q + n * k;
+        const float *sn = scale + n * groups;
+        if (rows == 1) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(qn + g * GROUP));
+                const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + g * GROUP)), w);
+                const __m256 d = _mm256_fmadd_ps(dot_us8(_mm256_sign_epi8(w, w), xv), _mm256_set1_ps(sn[g] * xs[g]), a0);
+                a0 = a1;
+                a1 = d;
+            }
+            y[n] = reduce8(_mm256_add_ps(a0, a1));
+            continue;
+        }
+        uint8_t magnitude[8192] __attribute__((aligned(32)));
+        int8_t sign[8192] __attribute__((aligned(32)));
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(qn + g * GROUP));
+            _mm256_store_si256((__m256i *)(magnitude + g * GROUP), _mm256_sign_epi8(w, w));
+            _mm256_store_si256((__m256i *)(sign + g * GROUP), w);
+        }
+        a8_rows(magnitude, sign, sn, xq, xs, rows, k, y + n, n_out);
+    }
+}
+
+
+/* int16 activations (formats int8-a16 and int4-a16): x per group of 32 as xs = the group's largest
+ * magnitude / 32767 and xq = round(x / xs), about 1e-5 of the group's largest value lost instead
+ * of 1e-2; products with _mm256_madd_epi16 (16 multiplies an instruction, twice fp32's) */
+static void quantize_rows16(const float *x, int64_t rows, int64_t k, int16_t *xq, float *xs, float *xsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t g = 0; g < k / GROUP; g++) {
+            const float *xg = x + m * k + g * GROUP;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xg + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float top = _mm_cvtss_f32(h);
+            const int64_t at = m * (k / GROUP) + g;
+            xs[at] = top / 32767.0f;
+            const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+            __m256i sums = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j += 2) {  /* packs_epi32 interleaves 128-bit lanes: undo it */
+                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+                const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
+                _mm256_storeu_si256((__m256i *)(xq + m * k + g * GROUP + 8 * j),
+                                    _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+                sums = _mm256_add_epi32(sums, _mm256_add_epi32(a, b));
+            }
+            xsum[at] = xs[at] * reduce8(_mm256_cvtepi32_ps(sums));
+        }
+}
+
+/* 32 int16 weights (two vectors) times 32 int16 activations: 8 sums of 4 products, as floats */
+static inline __m256 dot_i16(__m256i w0, __m256i w1, const int16_t *x) {
+    const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
+                                       _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+    return _mm256_cvtepi32_ps(s);
+}
+
+/* one output row's weights as int16 (w), its group scales sw, against every row of x */
+static void a16_rows(const int16_t *w, const float *sw, const int16_t *xq, const float *xs, int64_t rows, int64_t k,
+                     float *y, int64_t stride) {
+    const int64_t groups = k / GROUP;
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256i w0 = _mm256_load_si256((const __m256i *)(w + g * GROUP));
+            const __m256i w1 = _mm256_load_si256((const __m256i *)(w + g * GROUP + 16));
+            for (int t = 0; t < 4; t++)
+                a[t] = _mm256_fmadd_ps(dot_i16(w0, w1, xq + (m + t) * k + g * GROUP),
+                                       _mm256_set1_ps(sw[g] * xs[(m + t) * groups + g]), a[t]);
+        }
+        for (int t = 0; t < 4; t++) y[(m + t) * stride] = reduce8(a[t]);
+    }
+    for (; m < rows; m++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256i w0 = _mm256_load_si256((const __m256i *)(w + g * GROUP));
+            const __m256i w1 = _mm256_load_si256((const __m256i *)(w + g * GROUP + 16));
+            const __m256 d = _mm256_fmadd_ps(dot_i16(w0, w1, xq + m * k + g * GROUP), _mm256_set1_ps(sw[g] * xs[m * groups + g]), a0);
+            a0 = a1;
+            a1 = d;
+        }
+        y[m * stride] = reduce8(_mm256_add_ps(a0, a1));
+    }
+}
+
+static void q4a16_product(const int16_t *xq, const float *xs, const float *xsum, int64_t rows, int64_t k,
+                          const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const uint8_t *qn = q + n * (k / 2);
+        const float *sn = scale + n * groups, *ln = low + n * groups;
+        const __m128i nibble = _mm_set1_epi8(15);
+        if (rows == 1) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            float base = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(qn + g * (GROUP / 2)));
+                const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, nibble));
+                const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+                const __m256 d = _mm256_fmadd_ps(dot_i16(w0, w1, xq + g * GROUP), _mm256_set1_ps(sn[g] * xs[g]), a0);
+                a0 = a1;
+                a1 = d;
+                base += ln[g] * xsum[g];
+            }
+            y[n] = reduce8(_mm256_add_ps(a0, a1)) + base;
+            continue;
+        }
+        int16_t codes[8192] __attribute__((aligned(32)));
+        for (int64_t g = 0; g < groups; g++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(qn + g * (GROUP / 2)));
+            _mm256_store_si256((__m256i *)(codes + g * GROUP), _mm256_cvtepu8_epi16(_mm_and_si128(b, nibble)));
+            _mm256_store_si256((__m256i *)(codes + g * GROUP + 16),
+                               _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nibble)));
+        }
+        a16_rows(codes, sn, xq, xs, rows, k, y + n, n_out);
+        for (int64_t m = 0; m < rows; m++) {
+            float base = 0.0f;
+            for (int64_t g = 0; g < groups; g++) base += ln[g] * xsum[m * groups + g];
+            y[m * n_out + n] += base;
+        }
+    }
+}
+
+static void q8a16_product(const int16_t *xq, const float *xs, int64_t rows, int64_t k, const int8_t *q,
+                          const float *scale, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const int8_t *qn = q + n * k;
+        const float *sn = scale + n * groups;
+        if (rows == 1) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + g * GROUP)));
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + g * GROUP + 16)));
+                const __m256 d = _mm256_fmadd_ps(dot_i16(w0, w1, xq + g * GROUP), _mm256_set1_ps(sn[g] * xs[g]), a0);
+                a0 = a1;
+                a1 = d;
+            }
+            y[n] = reduce8(_mm256_add_ps(a0, a1));
+            continue;
+        }
+        int16_t wide[8192] __attribute__((aligned(32)));
+        for (int64_t i = 0; i < k; i += 16)
+            _mm256_store_si256((__m256i *)(wide + i), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + i))));
+        a16_rows(wide, sn, xq, xs, rows, k, y + n, n_out);
+    }
+}
+
+#else  /* portable C: one version for 8- and 16-bit activations (xq int8 or int16 by bits) */
+
+static inline int32_t x_at(const void *xq, int bits, int64_t i) {
+    return bits == 8 ? ((const int8_t *)xq)[i] : ((const int16_t *)xq)[i];
+}
+
+static void quantize_any(const float *x, int64_t rows, int64_t k, void *xq, int bits, float *xs, float *xsum) {
+    const float top_code = bits == 8 ? 127.0f : 32767.0f;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t g = 0; g < k / GROUP; g++) {
+            const float *xg = x + m * k + g * GROUP;
+            float top = 0.0f;
+            for (int i = 0; i < GROUP; i++) top = fabsf(xg[i]) > top ? fabsf(xg[i]) : top;
+            const int64_t at = m * (k / GROUP) + g;
+            xs[at] = top / top_code;
+            const float inv = top > 0.0f ? top_code / top : 0.0f;
+            int32_t sum = 0;
+            for (int i = 0; i < GROUP; i++) {
+                const float v = nearbyintf(xg[i] * inv);
+                const int64_t j = m * k + g * GROUP + i;
+                if (bits == 8) ((int8_t *)xq)[j] = (int8_t)v;
+                else ((int16_t *)xq)[j] = (int16_t)v;
+                sum += (int32_t)v;
+            }
+            xsum[at] = xs[at] * (float)sum;
+        }
+}
+
+static void q4_any(const void *xq, int bits, const float *xs, const float *xsum, int64_t rows, int64_t k,
+                   const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < n_out; n++)
+        for (int64_t m = 0; m < rows; m++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *qg = q + n * (k / 2) + g * (GROUP / 2);
+                const int64_t at = m * k + g * GROUP;
+                int32_t dot = 0;
+                for (int i = 0; i < GROUP / 2; i++)
+                    dot += (qg[i] & 15) * x_at(xq, bits, at + i) + (qg[i] >> 4) * x_at(xq, bits, at + i + GROUP / 2);
+                acc += scale[n * groups + g] * xs[m * groups + g] * (float)dot + low[n * groups + g] * xsum[m * groups + g];
+            }
+            y[m * n_out + n] = acc;
+        }
+}
+
+static void q8_any(const void *xq, int bits, const float *xs, int64_t rows, int64_t k, const int8_t *q,
+                   const float *scale, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < n_out; n++)
+        for (int64_t m = 0; m < rows; m++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t dot = 0;
+                for (int i = 0; i < GROUP; i++) dot += q[n * k + g * GROUP + i] * x_at(xq, bits, m * k + g * GROUP + i);
+                acc += scale[n * groups + g] * xs[m * groups + g] * (float)dot;
+            }
+            y[m * n_out + n] = acc;
+        }
+}
+
+static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *xq, float *xs, float *xsum) {
+    quantize_any(x, rows, k, xq, 8, xs, xsum);
+}
+static void quantize_rows16(const float *x, int64_t rows, int64_t k, int16_t *xq, float *xs, float *xsum) {
+    quantize_any(x, rows, k, xq, 16, xs, xsum);
+}
+static void q4a8_product(const int8_t *xq, const float *xs, const float *xsum, int64_t rows, int64_t k,
+                         const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
+    q4_any(xq, 8, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
+}
+static void q4a16_product(const int16_t *xq, const float *xs, const float *xsum, int64_t rows, int64_t k,
+                          const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
+    q4_any(xq, 16, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
+}
+static void q8a8_product(const int8_t *xq, const float *xs, int64_t rows, int64_t k, const int8_t *q,
+                         const float *scale, int64_t n_out, float *y, int threads) {
+    q8_any(xq, 8, xs, rows, k, q, scale, n_out, y, threads);
+}
+static void q8a16_product(const int16_t *xq, const float *xs, int64_t rows, int64_t k, const int8_t *q,
+                          const float *scale, int64_t n_out, float *y, int threads) {
+    q8_any(xq, 16, xs, rows, k, q, scale, n_out, y, threads);
+}
+
+#endif
+
+/* the entry points: quantize x's rows once (a small buffer), then the product */
+void pdflow_q4a8_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, const float *scale,
+                      const float *low, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    int8_t *xq = aligned_alloc(32, (size_t)(rows * k + 31) / 32 * 32);
+    float *xs = malloc(sizeof(float) * 2 * rows * groups), *xsum = xs + rows * groups;
+    quantize_rows(x, rows, k, xq, xs, xsum);
+    q4a8_product(xq, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
+    free(xq);
+    free(xs);
+}
+
+void pdflow_q8a8_gemm(const float *x, int64_t rows, int64_t k, const int8_t *q, const float *scale,
+                      int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    int8_t *xq = aligned_alloc(32, (size_t)(rows * k + 31) / 32 * 32);
+    float *xs = malloc(sizeof(float) * 2 * rows * groups), *xsum = xs + rows * groups;
+    quantize_rows(x, rows, k, xq, xs, xsum);
+    q8a8_product(xq, xs, rows, k, q, scale, n_out, y, threads);
+    free(xq);
+    free(xs);
+}
+
+/* int16 activations (the low term of int4 from the quantized x's sums, as for int8) */
+void pdflow_q4a16_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, const float *scale,
+                       const float *low, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    int16_t *xq = aligned_alloc(32, (size_t)(rows * k * 2 + 31) / 32 * 32);
+    float *xs = malloc(sizeof(float) * 2 * rows * groups), *xsum = xs + rows * groups;
+    quantize_rows16(x, rows, k, xq, xs, xsum);
+    q4a16_product(xq, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
+    free(xq);
+    free(xs);
+}
+
+void pdflow_q8a16_gemm(const float *x, int64_t rows, int64_t k, const int8_t *q, const float *scale,
+                       int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    int16_t *xq = aligned_alloc(32, (size_t)(rows * k * 2 + 31) / 32 * 32);
+    float *xs = malloc(sizeof(float) * 2 * rows * groups), *xsum = xs + rows * groups;
+    quantize_rows16(x, rows, k, xq, xs, xsum);
+    q8a16_product(xq, xs, rows, k, q, scale, n_out, y, threads);
+    free(xq);
+    free(xs);
+}
+
 /* ---- the small fused steps of a layer, for few rows (decode): one call each instead of 4–8
  * PyTorch operations, whose dispatch costs more than their arithmetic at this size ---- */
 
@@ -334,4 +746,74 @@ void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64
         const float inv = 1.0f / total;
         for (int64_t d = 0; d < head_dim; d++) o[d] = acc[d] * inv;
     }
+}
+
+/* ---- a decode step's layers in one call ----
+ * For a few rows (one new token per sequence), every layer of a Llama-family model in C: RMSNorm,
+ * the fused QKV product, rotary embedding, attention over the batch's cached keys and values (the
+ * step's own written in place first), the output product and residual, RMSNorm, the fused
+ * gate/up product, SiLU-gated product, the down product and residual. Between PyTorch calls these
+ * are ~20 dispatches a layer, which at a decode step's size cost more than the arithmetic.
+ * hidden (rows, dim) is updated in place. Matrices are described by pdflow_matrix (the packed
+ * formats' own buffers); keys[l] / values[l] are layer l's cache, addressed as in
+ * pdflow_decode_attention. */
+typedef struct {
+    int32_t bits;             /* 8: int8 weights; 4: int4 weights (with low) */
+    int32_t activation_bits;  /* 32: fp32 activations; 16 or 8: quantized per group at each product */
+    int64_t n_out, k;
+    const void *q;
+    const float *scale, *low, *bias;  /* bias may be NULL */
+} pdflow_matrix;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    pdflow_matrix qkv, o, gate_up, down;
+} pdflow_layer;
+
+static void matrix_product(const pdflow_matrix *w, const float *x, int64_t rows, float *y, int threads) {
+    if (w->bits == 4) {
+        if (w->activation_bits == 8) pdflow_q4a8_gemm(x, rows, w->k, w->q, w->scale, w->low, w->n_out, y, threads);
+        else if (w->activation_bits == 16) pdflow_q4a16_gemm(x, rows, w->k, w->q, w->scale, w->low, w->n_out, y, threads);
+        else pdflow_q4_gemm(x, rows, w->k, w->q, w->scale, w->low, w->n_out, y, threads);
+    } else {
+        if (w->activation_bits == 8) pdflow_q8a8_gemm(x, rows, w->k, w->q, w->scale, w->n_out, y, threads);
+        else if (w->activation_bits == 16) pdflow_q8a16_gemm(x, rows, w->k, w->q, w->scale, w->n_out, y, threads);
+        else pdflow_q8_gemm(x, rows, w->k, w->q, w->scale, w->n_out, y, threads);
+    }
+    if (w->bias)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t n = 0; n < w->n_out; n++) y[m * w->n_out + n] += w->bias[n];
+}
+
+void pdflow_decode_layers(const pdflow_layer *layers, int64_t n_layers, float *hidden, int64_t rows, int64_t dim,
+                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,
+                          const int64_t *positions, const float *cos_table, const float *sin_table,
+                          const int64_t *lengths, const int64_t *table, int64_t table_width, int64_t block_tokens,
+                          float *const *keys, float *const *values, int64_t slot_stride, int64_t token_stride,
+                          int64_t head_stride, float scale, int threads) {
+    const int64_t width = (heads + 2 * kv_heads) * head_dim;
+    float *scratch = malloc(sizeof(float) * rows * (dim + width + 2 * heads * head_dim + kv_heads * head_dim
+                                                    + 2 * inter + inter + dim));
+    float *normed = scratch, *qkv = normed + rows * dim, *q = qkv + rows * width;
+    float *attn = q + rows * heads * head_dim, *k = attn + rows * heads * head_dim;
+    float *gate_up = k + rows * kv_heads * head_dim, *act = gate_up + rows * 2 * inter, *delta = act + rows * inter;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const pdflow_layer *layer = layers + l;
+        pdflow_rms_norm(hidden, layer->input_norm, rows, dim, eps, normed);
+        matrix_product(&layer->qkv, normed, rows, qkv, threads);
+        for (int64_t r = 0; r < rows; r++)
+            pdflow_rope(qkv + r * width, 1, heads, kv_heads, head_dim, cos_table + positions[r] * head_dim,
+                        sin_table + positions[r] * head_dim, q + r * heads * head_dim, k + r * kv_heads * head_dim);
+        pdflow_decode_attention(q, rows, heads, kv_heads, head_dim, lengths, table, table_width, block_tokens,
+                                keys[l], values[l], slot_stride, token_stride, head_stride, k, qkv + (heads + kv_heads) * head_dim,
+                                kv_heads * head_dim, width, scale, attn, threads);
+        matrix_product(&layer->o, attn, rows, delta, threads);
+        for (int64_t i = 0; i < rows * dim; i++) hidden[i] += delta[i];
+        pdflow_rms_norm(hidden, layer->post_norm, rows, dim, eps, normed);
+        matrix_product(&layer->gate_up, normed, rows, gate_up, threads);
+        pdflow_silu_mul(gate_up, rows, inter, act);
+        matrix_product(&layer->down, act, rows, delta, threads);
+        for (int64_t i = 0; i < rows * dim; i++) hidden[i] += delta[i];
+    }
+    free(scratch);
 }

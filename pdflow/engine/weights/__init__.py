@@ -13,6 +13,10 @@ BUILTIN = {
     "bf16": ("pdflow.engine.weights.formats:Bf16", ""),
     "int8": ("pdflow.engine.weights.formats:Int8", ""),
     "int4": ("pdflow.engine.weights.formats:Int4", ""),
+    "int8-a16": ("pdflow.engine.weights.formats:Int8A16", ""),
+    "int4-a16": ("pdflow.engine.weights.formats:Int4A16", ""),
+    "int8-a8": ("pdflow.engine.weights.formats:Int8A8", ""),
+    "int4-a8": ("pdflow.engine.weights.formats:Int4A8", ""),
 }
 registry = Registry("weight format", ENTRY_POINT_GROUP, WeightFormat, BUILTIN)
 

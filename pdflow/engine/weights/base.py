@@ -25,6 +25,11 @@ class PackedLinear:
         """``x`` 2-D ``(rows, in_features)`` -> ``(rows, out_features)``, any float dtype."""
         raise NotImplementedError
 
+    def native(self):
+        """This weight as pdflow's C kernels read it (a :class:`pdflow.engine.kernels.Matrix`),
+        for decode steps run wholly in C; None where the format has no such form."""
+        return None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             y = self.matmul(x)

