@@ -682,20 +682,93 @@ void pdflow_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *o
  * where they are: token t of sequence b is row t % block_tokens of slot table[b][t / block_tokens];
  * its key for kv head h is at keys + slot * slot_stride + row * token_stride + h * head_stride
  * (values alike). The same call reads a head-major batch buffer (one slot per sequence) or
- * token-major store blocks, by the strides. Softmax is computed online, block by block
- * (flash-decoding), so no score buffer grows with the context. q and out: (batch, heads, head_dim).
+ * token-major store blocks, by the strides. Softmax is computed online, run by run of at most
+ * MAX_RUN tokens within a block (flash-decoding), so no score buffer grows with the context. The
+ * query heads that share a key/value head are computed together (up to MAX_SHARED at a time), so
+ * each cached key and value is read once for all of them. q and out: (batch, heads, head_dim).
  * First the step's own keys and values (new_k/new_v: row b, kv head h at b * new_stride + h *
  * head_dim) are written at position lengths[b] - 1, where they belong.
  */
-#define MAX_BLOCK 1024
+#define MAX_RUN 256
+#define MAX_SHARED 8
 #define MAX_HEAD_DIM 512
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* e^x for x <= 0 (scores minus their running maximum), within 2 ulp of expf; 0 below -87.3 */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 floor = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, floor);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* x - n ln 2, ln 2 in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);  /* e^r - 1 - r = r^2 P(r) on |r| <= ln 2 / 2 */
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
+static inline float dot_vec(const float *a, const float *b, int64_t n) {  /* n a multiple of 8 */
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    if (i < n) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    return reduce8(_mm256_add_ps(s0, s1));
+}
+
+/* p[i] = exp(s[i] - max), returns their sum */
+static inline float exp_shifted(float *s, int64_t n, float max) {
+    const __m256 m = _mm256_set1_ps(max);
+    __m256 total = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+        _mm256_storeu_ps(s + i, p);
+        total = _mm256_add_ps(total, p);
+    }
+    float sum = reduce8(total);
+    for (; i < n; i++) sum += (s[i] = expf(s[i] - max));
+    return sum;
+}
+#define VECTOR_ATTENTION 1
+#else
+#define VECTOR_ATTENTION 0
+#endif
+
+static inline float dot_any(const float *a, const float *b, int64_t n) {
+#if VECTOR_ATTENTION
+    if (n % 8 == 0) return dot_vec(a, b, n);
+#endif
+    float dot = 0.0f;
+    for (int64_t d = 0; d < n; d++) dot += a[d] * b[d];
+    return dot;
+}
+
+static inline float exp_any(float *s, int64_t n, float max) {
+#if VECTOR_ATTENTION
+    return exp_shifted(s, n, max);
+#else
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += (s[i] = expf(s[i] - max));
+    return sum;
+#endif
+}
 
 void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                              const int64_t *lengths, const int64_t *table, int64_t table_width,
                              int64_t block_tokens, const float *keys, const float *values, int64_t slot_stride,
                              int64_t token_stride, int64_t head_stride, const float *new_k, const float *new_v,
                              int64_t new_k_stride, int64_t new_v_stride, float scale, float *out, int threads) {
-    const int64_t group = heads / kv_heads;
+    const int64_t group = heads / kv_heads, chunks = (group + MAX_SHARED - 1) / MAX_SHARED;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t t = lengths[b] - 1;
         const int64_t at = table[b * table_width + t / block_tokens] * slot_stride + (t % block_tokens) * token_stride;
@@ -705,46 +778,52 @@ void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64
         }
     }
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t task = 0; task < batch * heads; task++) {
-        const int64_t b = task / heads, h = task % heads, kvh = h / group;
-        const float *qv = q + (b * heads + h) * head_dim;
-        float acc[MAX_HEAD_DIM], scores[MAX_BLOCK];
-        for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
-        float running_max = -INFINITY, total = 0.0f;
+    for (int64_t task = 0; task < batch * kv_heads * chunks; task++) {
+        const int64_t b = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, chunk = task % chunks;
+        const int64_t first = kvh * group + chunk * MAX_SHARED;  /* this task's query heads: first .. first + shared */
+        const int64_t shared = group - chunk * MAX_SHARED < MAX_SHARED ? group - chunk * MAX_SHARED : MAX_SHARED;
+        float acc[MAX_SHARED][MAX_HEAD_DIM], scores[MAX_SHARED][MAX_RUN], running_max[MAX_SHARED], total[MAX_SHARED];
+        for (int64_t j = 0; j < shared; j++) {
+            for (int64_t d = 0; d < head_dim; d++) acc[j][d] = 0.0f;
+            running_max[j] = -INFINITY;
+            total[j] = 0.0f;
+        }
         const int64_t length = lengths[b];
-        for (int64_t start = 0; start < length;) {  /* a run of at most MAX_BLOCK tokens within one block */
+        for (int64_t start = 0; start < length;) {
             const int64_t slot = table[b * table_width + start / block_tokens], row = start % block_tokens;
             int64_t n = block_tokens - row;
             if (n > length - start) n = length - start;
-            if (n > MAX_BLOCK) n = MAX_BLOCK;
+            if (n > MAX_RUN) n = MAX_RUN;
             const float *kb = keys + slot * slot_stride + row * token_stride + kvh * head_stride;
             const float *vb = values + slot * slot_stride + row * token_stride + kvh * head_stride;
-            float block_max = -INFINITY;
-            for (int64_t t = 0; t < n; t++) {
-                const float *kt = kb + t * token_stride;
-                float dot = 0.0f;
-                #pragma omp simd reduction(+:dot)
-                for (int64_t d = 0; d < head_dim; d++) dot += qv[d] * kt[d];
-                scores[t] = dot * scale;
-                if (scores[t] > block_max) block_max = scores[t];
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t j = 0; j < shared; j++)
+                    scores[j][t] = dot_any(q + (b * heads + first + j) * head_dim, kb + t * token_stride, head_dim) * scale;
+            for (int64_t j = 0; j < shared; j++) {
+                float block_max = -INFINITY;
+                for (int64_t t = 0; t < n; t++) block_max = scores[j][t] > block_max ? scores[j][t] : block_max;
+                const float new_max = block_max > running_max[j] ? block_max : running_max[j];
+                const float rescale = expf(running_max[j] - new_max);  /* 0 on the first run */
+                total[j] = total[j] * rescale + exp_any(scores[j], n, new_max);
+                for (int64_t d = 0; d < head_dim; d++) acc[j][d] *= rescale;
+                running_max[j] = new_max;
             }
-            const float new_max = block_max > running_max ? block_max : running_max;
-            const float rescale = expf(running_max - new_max);  /* 0 on the first block */
-            total *= rescale;
-            for (int64_t d = 0; d < head_dim; d++) acc[d] *= rescale;
             for (int64_t t = 0; t < n; t++) {
-                const float p = expf(scores[t] - new_max);
-                total += p;
                 const float *vt = vb + t * token_stride;
-                #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) acc[d] += p * vt[d];
+                for (int64_t j = 0; j < shared; j++) {
+                    const float p = scores[j][t];
+                    float *a = acc[j];
+                    #pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * vt[d];
+                }
             }
-            running_max = new_max;
             start += n;
         }
-        float *o = out + (b * heads + h) * head_dim;
-        const float inv = 1.0f / total;
-        for (int64_t d = 0; d < head_dim; d++) o[d] = acc[d] * inv;
+        for (int64_t j = 0; j < shared; j++) {
+            float *o = out + (b * heads + first + j) * head_dim;
+            const float inv = 1.0f / total[j];
+            for (int64_t d = 0; d < head_dim; d++) o[d] = acc[j][d] * inv;
+        }
     }
 }
 
