@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +33,7 @@ from pdflow.messages import (
     Tokens,
 )
 from pdflow.runtime.stage import Stage, Submission
+from pdflow.stages.engine_thread import engine_thread, run_in
 
 _ANSWER_WAIT_S = 30.0  # how long a finished request waits for kv-shuttle's KvReturnSlots
 
@@ -68,14 +68,14 @@ class DecodeStage(Stage):
 
     async def setup(self) -> None:
         topo, cfg = self.pipeline, self.config
-        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
-                                             topo.model.weights)
+        self.executor = engine_thread("decode-step")
+        self.model = await run_in(self.executor, load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
+                                  topo.model.weights)
         self.from_shuttle = self.kv_receiver("destination")
         await self.from_shuttle.start()
         self.to_shuttle = self.kv_sender("destination")
         self.block_tokens = topo.kv.block_tokens if topo.kv.prefix_cache else 0
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="decode-step")
         self.by_region: dict[int, _Incoming] = {}  # KV still landing
         self.waiting: list[_Incoming] = []  # all KV here, not yet in the batch
         self.running: dict[str, Sequence] = {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from pdflow.kv.chunks import into_slots, tokens_of_run
 from pdflow.kv.layout import torch_dtype
 from pdflow.messages import KvPlan, PrefillDone, PrefillRequest, PrefixDestination, Tokens
 from pdflow.runtime.stage import Stage, Submission
+from pdflow.stages.engine_thread import engine_thread, run_in
 
 
 class PrefixUnavailable(RuntimeError):
@@ -71,12 +71,12 @@ class PrefillStage(Stage):
 
     async def setup(self) -> None:
         topo, cfg = self.pipeline, self.config
-        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
-                                             topo.model.weights)
+        self.executor = engine_thread("prefill-forward")
+        self.model = await run_in(self.executor, load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
+                                  topo.model.weights)
         self.to_shuttle = self.kv_sender("kv")
         self.from_shuttle = self.kv_receiver("kv")
         await self.from_shuttle.start()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-forward")
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.by_region: dict[int, _Job] = {}
         self._next_region = 0

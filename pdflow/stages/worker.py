@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.chunked import ChunkedPrefill
@@ -28,6 +27,7 @@ from pdflow.kv.blocks import BlockHasher, answer_blocks
 from pdflow.kv.local_cache import LocalPrefixCache
 from pdflow.messages import PrefillRequest, StopRequest, Tokens
 from pdflow.runtime.stage import Stage, Submission
+from pdflow.stages.engine_thread import engine_thread, run_in
 
 
 class WorkerStage(Stage):
@@ -41,8 +41,9 @@ class WorkerStage(Stage):
 
     async def setup(self) -> None:
         topo, cfg = self.topology, self.ctx.config
-        self.model = await asyncio.to_thread(load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
-                                             topo.model.weights)
+        self.executor = engine_thread("worker-step")
+        self.model = await run_in(self.executor, load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
+                                  topo.model.weights)
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
         kv = topo.kv
         self.cache = None
@@ -50,7 +51,6 @@ class WorkerStage(Stage):
             self.cache = LocalPrefixCache(self.model.layout, BlockHasher.for_pipeline(topo), kv.store_bytes,
                                           high_watermark=kv.high_watermark, low_watermark=kv.low_watermark)
         self.chunk = topo.engine.chunked_prefill_tokens
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
         self.waiting: deque[tuple[PrefillRequest, float]] = deque()
         self.prefilling: tuple[PrefillRequest, ChunkedPrefill, dict] | None = None
         self.running: dict[str, Sequence] = {}
