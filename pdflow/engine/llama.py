@@ -8,7 +8,9 @@ no cache bookkeeping: each layer hands its new keys and values to ``cache.update
 protocol as transformers' caches: ``update(keys, values, layer) -> (all keys, all values)``, both
 ``(batch, kv_heads, tokens, head_dim)``) and attends over what it returns; or, for one-token
 steps, to ``cache.attend(query, keys, values, layer, scale)`` where the cache has it (decode's
-batch, which attends in place with pdflow's kernel).
+batch, which attends in place with pdflow's kernel). Where the cache also says where its blocks
+are (``cache.blocks()``) and every matrix has a C form, a one-token step runs all layers in one
+call into the kernels (``pdflow_decode_layers``).
 
 Keys come out of the rotary step token-major and contiguous, ``(batch, tokens, kv_heads,
 head_dim)``, and values as a token-major view into the fused projection's output; the tensors
@@ -207,7 +209,7 @@ class CompactLlama:
         steps = self.fused if self.fused is not None and rows <= kernels.MAX_ROWS else TORCH_STEPS
         hidden = F.embedding(input_ids.reshape(rows), self.embed)  # (rows, hidden): row = (sequence, token)
         flat_positions = positions.reshape(rows)
-        blocks = getattr(cache, "blocks", None) if tokens == 1 and steps is self.fused else None
+        blocks = getattr(cache, "blocks", None) if tokens == 1 and steps is self.fused and not every_position else None
         if blocks is not None and self.native_layers is not None:  # the whole step in C
             self._native_step(hidden, flat_positions.contiguous(), blocks())
             return self.lm_head(steps.norm(hidden, self.norm, self.eps)).float()

