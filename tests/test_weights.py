@@ -236,3 +236,21 @@ def test_a_decode_step_wholly_in_c_equals_the_layer_by_layer_path(model_type, tm
     assert len(whole) == len(by_layer) == 9
     for a, b in zip(whole, by_layer):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_step_past_the_models_positions_is_refused_not_read_out_of_bounds(tmp_path, monkeypatch):
+    from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model, prefill
+    from pdflow.messages import SamplingParams
+
+    _tiny("llama", tmp_path)  # 128 positions
+    loaded = load_model(tmp_path, weights="int4-a16")
+    for native in (loaded.model.native_layers, None):
+        monkeypatch.setattr(loaded.model, "native_layers", native)
+        kv = {}
+        sampler = Sampler(SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        result = prefill(loaded, list(range(3, 131)), sampler,
+                         lambda layer, k, v: kv.__setitem__(layer, (k.transpose(0, 1), v.transpose(0, 1))))
+        batch = DecodeBatch(loaded, max_batch=1)
+        batch.add(Sequence("0", 128, result.first_token, sampler), kv.__getitem__)
+        with pytest.raises(IndexError):
+            batch.step()

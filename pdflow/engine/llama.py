@@ -239,6 +239,8 @@ class CompactLlama:
 
     def _native_step(self, hidden: torch.Tensor, positions: torch.Tensor, blocks: kernels.CacheBlocks) -> None:
         """Every layer of a one-token step in one call into the kernels (``hidden`` in place)."""
+        if int(positions.max()) >= self.cos.shape[0]:  # C reads the rotary table unchecked
+            raise IndexError(f"position {int(positions.max())} is past the model's {self.cos.shape[0]} positions")
         self.fused.lib.pdflow_decode_layers(
             self.native_layers, len(self.layers), hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.num_heads,
             self.num_kv_heads, self.head_dim, self.intermediate, self.eps, positions.data_ptr(), self.cos.data_ptr(),

@@ -42,7 +42,6 @@ MAX_ROWS = 64  # rows of x one call takes (the C side's tiles); more go to sgemm
 MAX_INPUTS = 8192  # in_features the C side's row buffer holds
 
 
-
 class Matrix(ctypes.Structure):
     """``pdflow_matrix``: a packed weight as the C side reads it (see qgemm.c)."""
 
