@@ -3,8 +3,9 @@
     python examples/custom_stage.py --words Paris,London     # then ask it about France
 
 Every stage runs in its own process, as with `pdflow run`; the pipeline is built here in code
-and handed to each process as is (no topology file). The redact stage sits between egress and
-ingress: egress's text output goes to it, and it passes the text on with the words masked.
+and handed to each process as is (no topology file). The pipeline gets an egress stage (by
+default ingress detokenizes itself), and the redact stage sits between egress and ingress:
+egress's text output goes to it, and it passes the text on with the words masked.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pdflow import Pipeline, run  # noqa: E402
 
 
 def build(words: list[str], port: int | None = None) -> Pipeline:
-    pipeline = Pipeline.default().with_stage(
+    pipeline = Pipeline.default().with_egress().with_stage(
         "redact", RedactStage, after="egress", output="text", options={"words": words},
     )
     return pipeline.with_ports(port) if port else pipeline

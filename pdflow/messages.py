@@ -101,7 +101,7 @@ class DecodeRequest(Message):
 
 
 class EgressRequest(Message):
-    """ingress -> egress: how to turn this request's tokens into text for the client."""
+    """ingress -> egress (a pipeline with one): how to turn this request's tokens into text for the client."""
 
     request_id: str
     prompt_len: int
@@ -159,7 +159,8 @@ class KvReturnSlots(Message):
 
 
 class Tokens(Message):
-    """prefill/decode -> egress: new tokens of one request, ``index`` of the first in the output."""
+    """prefill/decode/worker -> ingress (or an egress stage): new tokens of one request, ``index``
+    of the first in the output."""
 
     request_id: str
     index: int
@@ -170,8 +171,9 @@ class Tokens(Message):
 
 
 class TextDelta(Message):
-    """egress -> ingress: new text for the client; ``token_ids``: the tokens generated since the
-    previous delta (what ingress re-prefills if the request must migrate)."""
+    """egress -> ingress (a pipeline with an egress stage; else ingress makes them itself): new text
+    for the client; ``token_ids``: the tokens generated since the previous delta (what ingress
+    re-prefills if the request must migrate)."""
 
     request_id: str
     text: str
@@ -200,7 +202,7 @@ class Cancel(Message):
 
 
 class StopRequest(Message):
-    """egress -> decode: a stop string matched; stop generating (egress already finished it)."""
+    """ingress (or egress) -> decode/worker: a stop string matched; stop generating (the text is finished)."""
 
     request_id: str
 

@@ -10,6 +10,8 @@
    an emulated link slow enough that the transfer is a large part of prefill.
 3. overhead: decode tokens/s through the whole PD pipeline against the bare engine's decode loop
    at the same batch size, and how long a token takes from decode to the client.
+   hops: that last figure with tokens straight to ingress (the default) against through an
+   egress stage, both servers up at once.
 
     .venv/bin/python scripts/experiment_disaggregation.py --out bench-results/experiment
     .venv/bin/python scripts/experiment_disaggregation.py --parts kv-tail,overhead --quick
@@ -252,10 +254,39 @@ def part_overhead(opts, out: Path) -> None:
     (out / "overhead.json").write_text(json.dumps({"rounds_step_s": rounds, "token_to_client_s": deltas}))
 
 
+def part_hops(opts, out: Path) -> None:
+    """A token's way from decode to the client: straight to ingress (the default, one control hop)
+    against through an egress stage (two hops), both servers up at once and asked in turn."""
+    prompt, new_tokens = [(j * 7) % 40000 + 1000 for j in range(128)], 48
+    deltas: dict[str, list[float]] = {"ingress (1 hop)": [], "egress stage (2 hops)": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        one, two = Path(tmp, "one"), Path(tmp, "two")
+        one.mkdir(), two.mkdir()
+        with PdflowServer(one) as direct, PdflowServer(two, egress=True) as via_egress:
+            servers = {"ingress (1 hop)": direct, "egress stage (2 hops)": via_egress}
+            for _ in range(opts.hop_requests):
+                for name, server in servers.items():
+                    rid, arrivals = _stream_arrivals(server.url, prompt, new_tokens)
+                    steps = httpx.get(f"{server.url}/debug/timeline/{rid}", timeout=30).json()["decode.steps"]
+                    deltas[name] += [a - s for a, s in zip(arrivals[1:], steps)]
+    say()
+    say(f"A token from decode to the client ({opts.hop_requests} requests alone on each server, "
+        f"{new_tokens} tokens each, asked in turn):")
+    say()
+    say("| tokens go | tokens | p50 | p90 | p99 |")
+    say("|---|---:|---:|---:|---:|")
+    for name, values in deltas.items():
+        ordered = sorted(values)
+        def at(q):
+            return ordered[int(q * (len(ordered) - 1))] * 1e3
+        say(f"| {name} | {len(values)} | {at(0.5):.2f} ms | {at(0.9):.2f} ms | {at(0.99):.2f} ms |")
+    (out / "hops.json").write_text(json.dumps(deltas))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "experiment")
-    parser.add_argument("--parts", default="serve,trace,kv-tail,overhead")
+    parser.add_argument("--parts", default="serve,trace,kv-tail,overhead,hops")
     parser.add_argument("--quick", action="store_true", help="fewer requests and smaller prompts (a smoke run)")
     parser.add_argument("--rates", default="0.2,0.4,0.6")
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -269,11 +300,13 @@ def main() -> int:
     parser.add_argument("--link-latency", default="0.5ms")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--overhead-rounds", type=int, default=3)
+    parser.add_argument("--hop-requests", type=int, default=10, help="requests per server in part hops")
     opts = parser.parse_args()
     if opts.quick:
         opts.rates, opts.num_prompts, opts.input_range, opts.trace_limit = "0.5", 4, "16:128", 4
-        opts.kv_tokens, opts.batch, opts.overhead_rounds = [256], 4, 1
-    parts = {"serve": part_serve, "trace": part_trace, "kv-tail": part_kv_tail, "overhead": part_overhead}
+        opts.kv_tokens, opts.batch, opts.overhead_rounds, opts.hop_requests = [256], 4, 1, 2
+    parts = {"serve": part_serve, "trace": part_trace, "kv-tail": part_kv_tail, "overhead": part_overhead,
+             "hops": part_hops}
     return REPORT.run("pdflow disaggregation experiment", parts, opts)
 
 

@@ -4,7 +4,8 @@
     .venv/bin/python scripts/reliability.py --parts faults --rounds 2
     .venv/bin/python scripts/reliability.py --parts soak --requests 3000
 
-faults: for each stage (prefill, kv-shuttle, decode, egress) and each fault (kill -9; SIGSTOP
+faults: for each stage (prefill, kv-shuttle, decode, and an egress stage: this part's pipeline
+has one, so that it is covered too) and each fault (kill -9; SIGSTOP
 past the heartbeat deadline), ``--rounds`` times, under ``--clients`` streaming clients with
 random aborts: every request must end whole (migrated, perhaps), with a clear error or aborted
 by its client (none lost), and afterwards nothing may be in flight, no lease held, no old
@@ -34,7 +35,7 @@ HEARTBEAT_TIMEOUT_S = 10  # PdflowServer's topology
 
 def run_faults(rounds: int, clients: int) -> dict:
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
+    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), egress=True) as server:
         shm_before = faults.shm_segments()
         for round_ in range(rounds):
             for stage in STAGES:

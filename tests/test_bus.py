@@ -110,8 +110,8 @@ async def test_launcher_fails_fast_naming_the_stage_and_both_versions(tmp_path):
 
     # ...but junk of another version, or a Ready sent in another replica's name, stops nothing
     calm = _launcher(tmp_path)
-    calm._foreign(VERSION.pack(PROTOCOL_VERSION + 7) + os.urandom(32), ("egress", 0))
-    calm._foreign(_frame(PROTOCOL_VERSION - 1, Ready("prefill", 0, 7, PROTOCOL_VERSION - 1)), ("egress", 0))
+    calm._foreign(VERSION.pack(PROTOCOL_VERSION + 7) + os.urandom(32), ("kv_shuttle", 0))
+    calm._foreign(_frame(PROTOCOL_VERSION - 1, Ready("prefill", 0, 7, PROTOCOL_VERSION - 1)), ("kv_shuttle", 0))
     assert not calm.stop_requested.is_set() and calm.fatal is None
     assert (calm.malformed.count, calm.forged.count) == (1, 1)
 
@@ -130,22 +130,22 @@ async def test_curve_names_each_sender_and_refuses_any_other_key(tmp_path):
     topology = _topology(tmp_path)
     keys = PipelineKeys(new_secret(), topology.replicas())
     decode = ZmqBus(topology, "decode", 0, keys=keys.for_replica("decode", 0))
-    egress = ZmqBus(topology, "egress", 0, keys=keys.for_replica("egress", 0))
-    outsider = PipelineKeys(new_secret(), topology.replicas()).for_replica("egress", 0)
-    knows_publics = dataclasses.replace(keys.for_replica("egress", 0), own=outsider.own)
-    strangers = [ZmqBus(topology, "egress", 0, keys=outsider),  # another pipeline's keys
-                 ZmqBus(topology, "egress", 0, keys=knows_publics),  # our public keys, its own pair
-                 ZmqBus(topology, "egress", 0)]  # no CURVE at all
+    shuttle = ZmqBus(topology, "kv_shuttle", 0, keys=keys.for_replica("kv_shuttle", 0))
+    outsider = PipelineKeys(new_secret(), topology.replicas()).for_replica("kv_shuttle", 0)
+    knows_publics = dataclasses.replace(keys.for_replica("kv_shuttle", 0), own=outsider.own)
+    strangers = [ZmqBus(topology, "kv_shuttle", 0, keys=outsider),  # another pipeline's keys
+                 ZmqBus(topology, "kv_shuttle", 0, keys=knows_publics),  # our public keys, its own pair
+                 ZmqBus(topology, "kv_shuttle", 0)]  # no CURVE at all
     decode.start()
     try:
-        await egress.send("decode", 0, Cancel("r-1", "test"))
-        assert await asyncio.wait_for(decode.recv_from(), 5) == (("egress", 0), Cancel("r-1", "test"))
+        await shuttle.send("decode", 0, Cancel("r-1", "test"))
+        assert await asyncio.wait_for(decode.recv_from(), 5) == (("kv_shuttle", 0), Cancel("r-1", "test"))
         for stranger in strangers:
             await stranger.send("decode", 0, Cancel("r-2", "forged"))
         assert await _no_message(decode, 1.0)
         assert decode.counters()["control_refused_peers"] >= 1
     finally:
-        for bus in (decode, egress, *strangers):
+        for bus in (decode, shuttle, *strangers):
             bus.close()
 
 
@@ -156,7 +156,7 @@ async def test_junk_frames_are_dropped_and_counted_and_the_loop_goes_on(tmp_path
     decode.start()
     ctx = zmq.asyncio.Context()
     push = make_socket(ctx, zmq.PUSH, connect=topology.stages["decode"].control_address(0),
-                       secure=client_security(keys.for_replica("egress", 0), "decode/0"))
+                       secure=client_security(keys.for_replica("kv_shuttle", 0), "decode/0"))
     try:
         junk = [b"", b"\x00", VERSION.pack(PROTOCOL_VERSION) + os.urandom(64), os.urandom(1024),
                 VERSION.pack(PROTOCOL_VERSION) + msgspec.msgpack.encode(["Cancel", 1, 2, 3]),
@@ -165,7 +165,7 @@ async def test_junk_frames_are_dropped_and_counted_and_the_loop_goes_on(tmp_path
             await push.send(frame)
         await push.send(VERSION.pack(PROTOCOL_VERSION) + msgspec.msgpack.encode(Cancel("r-ok", "after the junk")))
         sender, message = await asyncio.wait_for(decode.recv_from(), 5)
-        assert (sender, message) == (("egress", 0), Cancel("r-ok", "after the junk"))
+        assert (sender, message) == (("kv_shuttle", 0), Cancel("r-ok", "after the junk"))
         assert decode.counters()["control_malformed"] == len(junk)
     finally:
         push.close(0)
@@ -186,14 +186,14 @@ async def test_the_launcher_takes_a_replica_s_message_only_from_that_replica(tmp
     auth = PipelineAuthenticator(ctx, keys.launcher())
     auth.start()
     push = make_socket(ctx, zmq.PUSH, connect=topology.control.pull_address,
-                       secure=client_security(keys.for_replica("egress", 0), "launcher"))
+                       secure=client_security(keys.for_replica("kv_shuttle", 0), "launcher"))
     try:
         framing = launcher_framing()
-        await push.send(framing.encode(Heartbeat("decode", 0, 1, in_flight=99)))  # egress posing as decode
-        await push.send(framing.encode(Heartbeat("egress", 0, 1, in_flight=7)))
+        await push.send(framing.encode(Heartbeat("decode", 0, 1, in_flight=99)))  # kv-shuttle posing as decode
+        await push.send(framing.encode(Heartbeat("kv_shuttle", 0, 1, in_flight=7)))
         await launcher._drain_inbox(2.0)
         assert launcher.replicas[("decode", 0)].in_flight == 0
-        assert launcher.replicas[("egress", 0)].in_flight == 7
+        assert launcher.replicas[("kv_shuttle", 0)].in_flight == 7
         assert launcher.forged.count == 1
     finally:
         push.close(0)

@@ -98,9 +98,9 @@ def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["smollm2"]
     health = server.health()
     assert health["status"] == "ok"
-    expected = {"ingress-0", "prefill-0", "kv-shuttle-0", "decode-0", "egress-0"}
+    expected = {"ingress-0", "prefill-0", "kv-shuttle-0", "decode-0"}
     if server.mode == "colocated":
-        expected = {"ingress-0", "worker-0", "egress-0"}
+        expected = {"ingress-0", "worker-0"}
     assert set(health["stages"]) == expected
 
 

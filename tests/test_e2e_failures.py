@@ -89,14 +89,14 @@ def test_killing_decode_mid_stream_migrates_the_request_and_its_stream_goes_on_w
 
 
 def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_behind(server):
-    """kill -9 of kv-shuttle, then SIGSTOP of egress past the heartbeat deadline (the launcher
+    """kill -9 of kv-shuttle, then SIGSTOP of prefill past the heartbeat deadline (the launcher
     kills it), under three streaming clients with random aborts: every request ends whole or with
     a clear error within the bound, and afterwards nothing is in flight, no lease is held, no old
     process or shared-memory segment is left, and the stages that lived through it hold no more
     threads or file descriptors than before."""
     faults.settled(server)
     shm_before = faults.shm_segments()
-    survivors = {name: f for name, f in faults.footprint(server).items() if name not in ("kv-shuttle-0", "egress-0")}
+    survivors = {name: f for name, f in faults.footprint(server).items() if name not in ("kv-shuttle-0", "prefill-0")}
     load = faults.Load(server.url, clients=3, abort_ratio=0.2, max_tokens=12, bound_s=40).start()
     old = []
     try:
@@ -104,8 +104,8 @@ def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_b
         old.append(faults.kill9(server, "kv-shuttle-0"))
         assert faults.wait_replaced(server, "kv-shuttle-0", old[-1], 120) is not None, server.log()
         time.sleep(2)
-        old.append(faults.freeze(server, "egress-0", 12))  # heartbeat_timeout_s = 10 on this server
-        assert faults.wait_replaced(server, "egress-0", old[-1], 120) is not None, server.log()
+        old.append(faults.freeze(server, "prefill-0", 12))  # heartbeat_timeout_s = 10 on this server
+        assert faults.wait_replaced(server, "prefill-0", old[-1], 120) is not None, server.log()
         time.sleep(2)
     finally:
         outcomes = load.stop()
@@ -122,12 +122,12 @@ def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_b
         assert after[name]["threads"] <= was["threads"] + 2 and after[name]["fds"] <= was["fds"] + 8, \
             (name, was, after[name])
     restarts = {name: info["restarts"] for name, info in server.health()["stages"].items()}
-    assert restarts["kv-shuttle-0"] >= 1 and restarts["egress-0"] >= 1, restarts
+    assert restarts["kv-shuttle-0"] >= 1 and restarts["prefill-0"] >= 1, restarts
 
 
 def test_sigterm_stops_the_whole_tree_within_10_s(client, server):
     pids = list(server.stage_pids().values())
-    assert len(pids) == 5 and all(faults.alive(pid) for pid in pids)
+    assert len(pids) == 4 and all(faults.alive(pid) for pid in pids)
     outcome = {}
 
     def in_flight_request():

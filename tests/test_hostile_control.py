@@ -2,7 +2,7 @@
 
 - outsiders (no key, or a key of their own with our public keys) reach no stage and not the
   launcher: CURVE refuses them before any of their bytes are decoded;
-- an insider (a key of the pipeline, here egress's) that sends junk, mutated, oversized or
+- an insider (a key of the pipeline, here kv-shuttle's) that sends junk, mutated, oversized or
   wrongly typed frames to every stage and the launcher crashes, restarts and stalls nothing;
 - forged messages about another client's request (a Cancel, a TextDelta, a Tokens from a stage
   that may not send it) are dropped and counted, and the victim's stream ends whole.
@@ -110,8 +110,8 @@ class _Peer:
 
 def test_outsiders_reach_no_stage_and_not_the_launcher(server):
     keys = server.keys()
-    own_pair = PipelineKeys(new_secret(), server.pipeline().replicas()).for_replica("egress", 0).own
-    outsiders = [None, dataclasses.replace(keys.for_replica("egress", 0), own=own_pair)]
+    own_pair = PipelineKeys(new_secret(), server.pipeline().replicas()).for_replica("kv_shuttle", 0).own
+    outsiders = [None, dataclasses.replace(keys.for_replica("kv_shuttle", 0), own=own_pair)]
     before_restarts, refused_before = _restarts(server), _counter(server, "control_refused_peers")
     decoded_before = _counter(server, "control_malformed") + _counter(server, "control_forged")
     forged = Framing(ALL_MESSAGES).encode(Cancel("anything", "forged by an outsider"))
@@ -136,7 +136,7 @@ _VALID = [
     Framing(ALL_MESSAGES).encode(Cancel("r-fuzz", "fuzz")),
     Framing(ALL_MESSAGES).encode(TextDelta("r-fuzz", "text", 1)),
     Framing(ALL_MESSAGES).encode(PrefillRequest("r-fuzz", [1, 2, 3], SamplingParams(), Route({"ingress": 0}))),
-    launcher_framing().encode(Heartbeat("egress", 0, 1)),
+    launcher_framing().encode(Heartbeat("kv_shuttle", 0, 1)),
 ]
 _msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
@@ -169,7 +169,7 @@ def _frames(draw) -> bytes:
 
 
 def test_an_insider_s_junk_crashes_restarts_and_stalls_nothing(server):
-    keys = server.keys().for_replica("egress", 0)
+    keys = server.keys().for_replica("kv_shuttle", 0)
     before_restarts = _restarts(server)
     malformed_before = _counter(server, "control_malformed")
     peer = _Peer(server, keys)
@@ -202,8 +202,8 @@ def test_an_insider_s_junk_crashes_restarts_and_stalls_nothing(server):
 
 def test_forged_messages_cannot_touch_another_client_s_request(server):
     """While a victim streams its answer, an insider without the right to act on it sends decode a
-    Cancel (only ingress cancels) and ingress a TextDelta and egress Tokens (from stages not wired
-    to them): all are dropped and counted, and the victim's stream ends whole."""
+    Cancel (only ingress cancels) and ingress a TextDelta and Tokens (from stages whose outputs of
+    that kind are not wired to it): all are dropped and counted, and the victim's stream ends whole."""
     keys = server.keys()
     forged_before = _counter(server, "control_forged")
     result: dict = {}
@@ -227,15 +227,15 @@ def test_forged_messages_cannot_touch_another_client_s_request(server):
     thread.start()
     assert started.wait(30) and "id" in result, "the victim's stream never started"
     request_id = result["id"]
-    egress, decode = _Peer(server, keys.for_replica("egress", 0)), _Peer(server, keys.for_replica("decode", 0))
+    shuttle, decode = _Peer(server, keys.for_replica("kv_shuttle", 0)), _Peer(server, keys.for_replica("decode", 0))
     framing = Framing(ALL_MESSAGES)
     try:
-        egress.send("decode/0", framing.encode(Cancel(request_id, "forged")))  # egress may stop, not cancel
-        decode.send("ingress/0", framing.encode(TextDelta(request_id, "INJECTED", 1)))  # text comes from egress
-        egress.send("egress/0", framing.encode(Tokens(request_id, 1, [1, 2, 3])))  # egress is not wired to itself
+        shuttle.send("decode/0", framing.encode(Cancel(request_id, "forged")))  # only ingress cancels
+        decode.send("ingress/0", framing.encode(TextDelta(request_id, "INJECTED", 1)))  # decode sends tokens, not text
+        shuttle.send("ingress/0", framing.encode(Tokens(request_id, 1, [1, 2, 3])))  # kv-shuttle sends no tokens
         thread.join(60)
     finally:
-        egress.close()
+        shuttle.close()
         decode.close()
     lines = result["lines"]
     assert lines[-1] == "data: [DONE]" and "INJECTED" not in "".join(lines)

@@ -39,7 +39,8 @@ class Gate(Stage):
 
 @pytest.fixture(scope="module")
 def running(model_dir):
-    pipeline = Pipeline.default().with_stage("gate", Gate, after="egress", output="text")
+    # with an egress stage (the default has none: ingress detokenizes), so that the gate sits between it and ingress
+    pipeline = Pipeline.default().with_egress().with_stage("gate", Gate, after="egress", output="text")
     loop = asyncio.new_event_loop()
     local = LocalPipeline(pipeline.with_ports(free_port_base()), model_dir=model_dir)
     loop.run_until_complete(local.start())

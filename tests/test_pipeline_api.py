@@ -37,7 +37,9 @@ REPO = Path(__file__).parents[1]
 
 
 def test_with_stage_splices_into_an_output_and_survives_pickling():
-    p = Pipeline.default().with_stage("redact", "pdflow.stages.egress:EgressStage", after="egress", output="text")
+    p = Pipeline.default().with_egress().with_stage("redact", "pdflow.stages.egress:EgressStage", after="egress",
+                                                    output="text")
+    assert p.stages["prefill"].outputs == p.stages["decode"].outputs == {"tokens": "egress"}
     assert p.stages["egress"].outputs == {"text": "redact"}
     assert p.stages["redact"].outputs == {"text": "ingress"}
     assert p.stages["redact"].port not in {s.port for n, s in p.stages.items() if n != "redact"}
@@ -45,11 +47,28 @@ def test_with_stage_splices_into_an_output_and_survives_pickling():
     p.check()
     assert pickle.loads(pickle.dumps(p)) == p
     with pytest.raises(PipelineError, match="no output 'txt'"):
-        Pipeline.default().with_stage("x", "pdflow.stages.egress:EgressStage", after="egress", output="txt")
+        Pipeline.default().with_egress().with_stage("x", "pdflow.stages.egress:EgressStage", after="egress",
+                                                    output="txt")
+
+
+def test_an_egress_stage_takes_the_tokens_only_where_wired_to():
+    """By default ingress detokenizes (no egress stage); ``with_egress`` and a TOML
+    ``[stages.egress]`` send the token producers' tokens to one, keeping any output written."""
+    assert "egress" not in Pipeline.default().stages and "egress" not in Pipeline.default("colocated").stages
+    colocated = Pipeline.default("colocated").with_egress().check()
+    assert colocated.stages["worker"].outputs == {"tokens": "egress"}
+    assert colocated.stages["egress"].outputs == colocated.stages["ingress"].outputs == {"stop": "worker"}
+    p = parse_topology('[stages.egress]\n[stages.prefill]\noutputs = { tokens = "ingress" }\n', Path("t.toml"))
+    assert p.stages["prefill"].outputs == {"tokens": "ingress"} and p.stages["decode"].outputs == {"tokens": "egress"}
+    unused = '[stages.egress]\n' + "".join(f'[stages.{n}]\noutputs = {{ tokens = "ingress" }}\n'
+                                             for n in ("prefill", "decode"))
+    with pytest.raises(TopologyError) as e:
+        parse_topology(unused, Path("t.toml"))
+    assert e.value.key == "stages.egress" and "no stage sends it tokens" in e.value.message
 
 
 def test_checks_name_the_key_in_code_and_file_line_key_in_toml(tmp_path):
-    bad = Pipeline.default().with_stage_config("egress", outputs={"text": "nowhere"})
+    bad = Pipeline.default().with_egress().with_stage_config("egress", outputs={"text": "nowhere"})
     with pytest.raises(PipelineError) as e:
         bad.check()
     assert e.value.key == "stages.egress.outputs.text" and "'nowhere'" in str(e.value)

@@ -28,7 +28,8 @@ def test_default_file_loads() -> None:
     assert (t.model.source, t.model.served_name, t.model.is_path, t.model.path) == ("smollm2", "smollm2", False, None)
     assert list(t.stages) == list(STAGE_NAMES)
     assert t.stages["prefill"].cores == (0,) and t.stages["decode"].cores == (1,)
-    assert t.stages["ingress"].cores == t.stages["kv_shuttle"].cores == t.stages["egress"].cores == ()
+    assert t.stages["ingress"].cores == t.stages["kv_shuttle"].cores == ()
+    assert t.stages["prefill"].outputs == t.stages["decode"].outputs == {}  # tokens go straight to ingress
     assert [(link.src, link.dst, link.transport) for link in t.links] == [
         ("prefill", "kv_shuttle", "tcp"), ("kv_shuttle", "decode", "tcp"), ("kv_shuttle", "prefill", "tcp"),
         ("decode", "kv_shuttle", "tcp"),
@@ -38,7 +39,7 @@ def test_default_file_loads() -> None:
     assert (t.model, t.server, t.control, t.limits, t.links, t.kv) == (
         empty.model, empty.server, empty.control, empty.limits, empty.links, empty.kv,
     )
-    for name in ("ingress", "kv_shuttle", "egress"):
+    for name in ("ingress", "kv_shuttle"):
         assert t.stages[name] == empty.stages[name]
 
 
@@ -51,7 +52,7 @@ def test_empty_file_gets_all_defaults() -> None:
     ports = {name: (s.port, s.data_port) for name, s in t.stages.items()}
     assert ports == {
         "ingress": (5510, None), "prefill": (5520, 5620), "kv_shuttle": (5530, 5630),
-        "decode": (5540, 5640), "egress": (5550, None),
+        "decode": (5540, 5640),
     }
     assert all(s.replicas == 1 and s.cores == () and s.device == "cpu" for s in t.stages.values())
     assert t.link("kv_shuttle", "decode").options == {}
@@ -73,7 +74,7 @@ def test_replicas_addresses_and_links() -> None:
     assert t.link("kv_shuttle", "decode").options == {"latency_ms": 2}
     assert t.link("prefill", "kv_shuttle").transport == "tcp"  # the missing link defaults to tcp
     with pytest.raises(ValueError):
-        t.stages["egress"].data_port_of(0)
+        t.stages["ingress"].data_port_of(0)
 
 
 def test_local_model_directory(tmp_path: Path) -> None:

@@ -20,7 +20,9 @@ from pdflow.config.pipeline import (
     WEIGHT_FORMATS,
     Pipeline,
     PipelineError,
+    TOKEN_PRODUCERS,
     StageConfig,
+    default_outputs,
 )
 from pdflow.config.toml_reader import describe
 from pdflow.registry import spec_name
@@ -45,6 +47,11 @@ def check_pipeline(pipeline: Pipeline, written: Callable[[str], bool] = lambda k
             raise PipelineError(f"stages.{name}", f"a {pipeline.engine.mode} pipeline needs a {name} stage")
     for name, stage in stages.items():
         _check_stage(pipeline, name, stage)
+        if stage.kind_name == "egress" and not any(name in s.outputs.values() for s in stages.values()):
+            producers = " and ".join(f"stages.{p}" for p in TOKEN_PRODUCERS[pipeline.engine.mode])
+            raise PipelineError(f"stages.{name}", f"stage {name!r} detokenizes, but no stage sends it tokens "
+                                f"(by default ingress detokenizes them itself); wire outputs.tokens = {name!r} "
+                                f"on {producers}, or remove the stage")
     _check_links(pipeline, cross_process)
     _check_router(pipeline)
     _check_weights(pipeline)
@@ -60,8 +67,8 @@ def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:
     from pdflow.stages import registry
 
     builtin = isinstance(stage.kind_name, str) and stage.kind_name in registry.builtin
-    if builtin and not stage.outputs:
-        return
+    if builtin and stage.outputs == default_outputs(name, pipeline.engine.mode):
+        return  # wired as the mode wires it
     if problem := registry.availability(stage.kind_name):
         what = "kind" if stage.kind else "name (no kind given, so the name is taken as the kind)"
         raise PipelineError(f"{key}.kind", f"stage {name!r}: its {what}: {problem}")

@@ -5,6 +5,7 @@ A :class:`Pipeline` is what ``topology.toml`` decodes into (:mod:`pdflow.config.
 what code builds::
 
     pipeline = (Pipeline.default()
+                .with_egress()  # detokenize in a stage of its own (by default ingress does)
                 .with_stage("redact", "mypkg.redact:RedactStage", after="egress", output="text",
                             options={"words": ["secret"]})
                 .with_router("least_loaded"))
@@ -21,9 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STAGE_NAMES = ("ingress", "prefill", "kv_shuttle", "decode", "egress")  # mode "disaggregated"
-COLOCATED_STAGE_NAMES = ("ingress", "worker", "egress")  # mode "colocated"
+STAGE_NAMES = ("ingress", "prefill", "kv_shuttle", "decode")  # mode "disaggregated"
+COLOCATED_STAGE_NAMES = ("ingress", "worker")  # mode "colocated"
 MODES = {"disaggregated": STAGE_NAMES, "colocated": COLOCATED_STAGE_NAMES}
+OPTIONAL_STAGE_NAMES = ("egress",)  # built in, but in a pipeline only when asked for (either mode)
+# the stages whose output "tokens" carries the generated tokens (to ingress, or to an egress stage)
+TOKEN_PRODUCERS = {"disaggregated": ("prefill", "decode"), "colocated": ("worker",)}
 KV_STREAMING = ("layer", "request")
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int8-a16", "int4-a16", "int8-a8", "int4-a8")  # the built-in ones (pdflow.engine.weights)
@@ -35,7 +39,8 @@ DEFAULT_PORTS = {
 }
 PLUGIN_PORTS = 5570  # stages of other kinds without a port: 5570, 5580, ... in pipeline order
 DEFAULT_DATA_PORTS = {"prefill": 5620, "kv_shuttle": 5630, "decode": 5640}  # only the stages that receive KV
-MODE_OUTPUTS = {"colocated": {"egress": {"stop": "worker"}}}  # where a mode rewires built-in outputs
+# where a mode rewires built-in outputs (a matched stop string stops the stage that decodes)
+MODE_OUTPUTS = {"colocated": {"egress": {"stop": "worker"}, "ingress": {"stop": "worker"}}}
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -264,6 +269,15 @@ class Pipeline:
         stages[name] = StageConfig(name=name, kind=kind, port=port, outputs=outputs, **config)
         return dataclasses.replace(self, stages=stages)
 
+    def with_egress(self, **config: Any) -> Pipeline:
+        """Detokenize in an egress stage of its own instead of in ingress: the tokens of prefill
+        and decode (or the worker) go to it, and its text to ingress. ``config`` sets the other
+        StageConfig fields (replicas, cores, ...)."""
+        if "egress" in self.stages:
+            raise PipelineError("stages.egress", "there is already a stage named 'egress'")
+        stages = {**self.stages, "egress": default_stage("egress", self.engine.mode, **config)}
+        return dataclasses.replace(self, stages=route_tokens_through(stages, self.engine.mode, "egress"))
+
     def with_stage_config(self, name: str, **changes: Any) -> Pipeline:
         if name not in self.stages:
             raise PipelineError(f"stages.{name}", f"no stage named {name!r}")
@@ -343,8 +357,24 @@ def default_stage(name: str, mode: str = "disaggregated", **config: Any) -> Stag
     config.setdefault("port", DEFAULT_PORTS[name])
     if name in DEFAULT_DATA_PORTS:
         config.setdefault("data_port", DEFAULT_DATA_PORTS[name])
-    config["outputs"] = {**MODE_OUTPUTS.get(mode, {}).get(name, {}), **config.get("outputs", {})}
+    config["outputs"] = {**default_outputs(name, mode), **config.get("outputs", {})}
     return StageConfig(name=name, **config)
+
+
+def route_tokens_through(stages: dict[str, StageConfig], mode: str, name: str) -> dict[str, StageConfig]:
+    """``stages`` with the token producers' output "tokens" going to stage ``name``, except where
+    it was wired already."""
+    stages = dict(stages)
+    for producer in TOKEN_PRODUCERS[mode]:
+        config = stages.get(producer)
+        if config is not None and "tokens" not in config.outputs:
+            stages[producer] = dataclasses.replace(config, outputs={**config.outputs, "tokens": name})
+    return stages
+
+
+def default_outputs(name: str, mode: str) -> dict[str, str]:
+    """The outputs ``mode`` gives built-in stage ``name`` (beyond its kind's own)."""
+    return dict(MODE_OUTPUTS.get(mode, {}).get(name, {}))
 
 
 def _default_output(stage: StageConfig, output: str) -> str:

@@ -27,6 +27,7 @@ from pdflow.config.pipeline import (
     KV_STREAMING,
     LINK_PAIRS,
     MODES,
+    OPTIONAL_STAGE_NAMES,
     STAGE_NAMES,
     ControlConfig,
     EngineConfig,
@@ -42,6 +43,7 @@ from pdflow.config.pipeline import (
     StageConfig,
     default_stage,
     free_plugin_port,
+    route_tokens_through,
 )
 from pdflow.config.toml_lines import LineMap
 from pdflow.config.toml_reader import TableReader, TopologyError, describe, syntax_error
@@ -223,10 +225,15 @@ def _stages(r: TableReader, tables: dict[str, Any], mode: str) -> dict[str, Stag
     file order; a stage of another kind names it with ``kind``."""
     wanted = MODES[mode]
     for name in tables:
-        if name in DEFAULT_PORTS and name not in wanted:
+        if name in DEFAULT_PORTS and name not in wanted and name not in OPTIONAL_STAGE_NAMES:
             raise r.error(f"stages.{name}", f"a {mode} topology has no {name} stage; its stages are "
-                          f"{', '.join(wanted)} (engine.mode picks the set)")
-    stages = {name: _stage(r, name, r.table(tables, "stages", name, _STAGE_KEYS), mode) for name in wanted}
+                          f"{', '.join(wanted)} (engine.mode picks the set), and optionally "
+                          f"{', '.join(OPTIONAL_STAGE_NAMES)}")
+    optional = [name for name in OPTIONAL_STAGE_NAMES if name in tables]
+    stages = {name: _stage(r, name, r.table(tables, "stages", name, _STAGE_KEYS), mode)
+              for name in (*wanted, *optional)}
+    if "egress" in stages:  # an egress stage detokenizes instead of ingress
+        stages = route_tokens_through(stages, mode, "egress")
     for name in tables:
         if name not in stages:
             stages[name] = _stage(r, name, r.table(tables, "stages", name, _STAGE_KEYS), mode, stages)

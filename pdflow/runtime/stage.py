@@ -358,12 +358,12 @@ class Stage:
             await asyncio.sleep(self.limits.heartbeat_interval_s)
 
 
-def wired_to(pipeline: Pipeline, stage: str) -> frozenset[str]:
-    """The stages with an output that the pipeline wires to ``stage``."""
+def wired_to(pipeline: Pipeline, stage: str, output: str | None = None) -> frozenset[str]:
+    """The stages with an output (named ``output``, if given) that the pipeline wires to ``stage``."""
     found = set()
     for name, config in pipeline.stages.items():
         outputs = pipeline.stage_class(name).outputs
-        if stage in {config.outputs.get(output) or target for output, target in outputs.items()}:
+        if stage in {config.outputs.get(out) or target for out, target in outputs.items() if output in (None, out)}:
             found.add(name)
     return frozenset(found)
 

@@ -3,7 +3,7 @@
 Requests join and leave the batch between steps (continuous batching). A request joins once
 every token of every layer has landed (the cached prefix from the store, the rest from prefill
 through kv-shuttle) and prefill has said which token comes first. Each step runs in a worker
-thread; its tokens go to egress. When a request ends, kv-shuttle hears which tokens decode
+thread; its tokens go to ingress (or an egress stage). When a request ends, kv-shuttle hears which tokens decode
 generated (:class:`KvReleased`); if they complete blocks the store lacks, it names slots for
 them (:class:`KvReturnSlots`) and decode writes that KV back, so the next turn of a chat finds
 its history, answers included, in the store.
@@ -58,7 +58,7 @@ class _Incoming:
 
 class DecodeStage(Stage):
     kind = "decode"
-    outputs = {"tokens": "egress", "destination": "kv_shuttle"}
+    outputs = {"tokens": "ingress", "destination": "kv_shuttle"}
     opens = (DecodeRequest,)
     receives_kv = True
 

@@ -2,6 +2,12 @@
 stage, tells each stage what it needs to know of the request (``Stage.admission``), and waits for
 the request's text (the HTTP endpoints themselves are in ``pdflow.serving.http_api``).
 
+By default ingress also turns the tokens that prefill and decode send it into text
+(:class:`~pdflow.serving.text_stream.TextStream`: incremental UTF-8, stop strings across tokens,
+and :class:`StopRequest` to the stage that decodes when one matches): a token reaches the
+process that holds the client's connection in one control hop. A pipeline with an egress stage
+detokenizes there instead, and ingress takes its :class:`TextDelta` messages.
+
 It is also the one place that knows which requests went through which replica, so when the
 launcher says a replica died, ingress acts on those requests at once: each one *migrates*
 (:mod:`pdflow.stages.migration`): it is cancelled everywhere and submitted again under a new
@@ -30,14 +36,17 @@ from pdflow.messages import (
     StageDown,
     StageStatus,
     StageUp,
+    StopRequest,
     TextDelta,
+    Tokens,
 )
 from pdflow.routing import NoReplicaAvailable, ReplicaStatus, RoutingRequest
-from pdflow.runtime.stage import Stage, Submission
+from pdflow.runtime.stage import Stage, Submission, wired_to
 from pdflow.security.keys import load_api_key
 from pdflow.serving.http_server import HttpServer, http_server
 from pdflow.serving.openai_protocol import ApiError
 from pdflow.serving.prompts import PromptBuilder
+from pdflow.serving.text_stream import TextStream
 from pdflow.stages.migration import MigratingIngress
 
 _TIMELINES_KEPT = 1000
@@ -51,6 +60,8 @@ class PendingRequest:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     received: float = field(default_factory=time.monotonic)
     submission: Submission | None = None  # as first admitted
+    admitted: Submission | None = None  # as admitted last (a migrated request: with what it resumes from)
+    text: TextStream | None = None  # its tokens into text, when ingress detokenizes (for ``admitted``)
     internal_id: str = ""  # its id on the pipeline now: request_id, then request_id~1, ~2 after migrations
     generated: list[int] = field(default_factory=list)  # every token generated so far
     sent_chars: int = 0  # the text the client has been given
@@ -62,10 +73,16 @@ class PendingRequest:
 
 class IngressStage(MigratingIngress, Stage):
     kind = "ingress"
+    outputs = {"stop": "decode"}  # a stop string matched: the stage that decodes stops (see the module doc)
     server: HttpServer | None = None  # set once setup has started the HTTP server
 
     async def setup(self) -> None:
         from pdflow.serving.http_api import build_app
+
+        # who may send what: tokens from the stages whose output "tokens" comes here, text from those
+        # whose output "text" does (a decode replica may not pass text off as egress's)
+        self.senders = {Tokens: wired_to(self.pipeline, "ingress", "tokens"),
+                        TextDelta: wired_to(self.pipeline, "ingress", "text")}
 
         model_dir = self.ctx.model_dir
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
@@ -97,8 +114,26 @@ class IngressStage(MigratingIngress, Stage):
     async def teardown(self) -> None:
         self.prompts.close()
 
+    def may_act(self, sender, message, request_id: str) -> bool:
+        allowed = self.senders.get(type(message))
+        if sender is not None and allowed is not None and sender[0] not in allowed:
+            return False
+        return super().may_act(sender, message, request_id)
+
     def handlers(self):
-        return {TextDelta: self.on_result, RequestFailed: self.on_result}
+        return {TextDelta: self.on_result, RequestFailed: self.on_result, Tokens: self.on_tokens}
+
+    async def on_tokens(self, message: Tokens) -> None:
+        pending: PendingRequest = self.requests.get(message.request_id)
+        admitted = pending.admitted
+        if pending.text is None or pending.text.request_id != message.request_id:
+            pending.text = TextStream(admitted.request_id, self.tokenizer, admitted.stop, admitted.skip_special_tokens,
+                                      admitted.resume_ids, admitted.resume_chars)
+        deltas, stop = pending.text.add(message)
+        if stop:
+            self.spawn(self.send_output("stop", pending.route, StopRequest(message.request_id)))
+        for delta in deltas:
+            self.on_result(delta)
 
     def on_result(self, message: TextDelta | RequestFailed) -> None:
         pending: PendingRequest = self.requests.get(message.request_id)
@@ -161,6 +196,9 @@ class IngressStage(MigratingIngress, Stage):
     async def admit(self, submission: Submission) -> None:
         """Tell every stage on its route what it needs of ``submission``, downstream first: each
         stage knows the request before its upstream produces for it (they cope with any order)."""
+        pending = self.requests.get(submission.request_id)
+        if pending is not None:
+            pending.admitted = submission
         for name, cls in self.admitted_by:
             message = cls.admission(submission, name)
             if message is not None:

@@ -4,9 +4,10 @@ request again on live replicas instead of failing it, as Dynamo does.
 The request is cancelled everywhere under its old internal id and admitted under a new one
 (``<id>~1``, ``~2``): its prompt followed by every token generated so far (which ingress learns
 from ``TextDelta.token_ids``), with ``max_tokens`` less those. The prefix store makes the
-re-prefill of what was already computed cheap. Egress gets the generated tokens and how much text
-the client has (``EgressRequest.resume_ids`` / ``resume_chars``), rebuilds its detokenizer and
-stop-string state from them and sends only what is new: the client sees one uninterrupted stream
+re-prefill of what was already computed cheap. The new attempt's text stream (ingress's, or an
+egress stage's from ``EgressRequest.resume_ids`` / ``resume_chars``) gets the generated tokens and
+how much text the client has, rebuilds its detokenizer and stop-string state from them and sends
+only what is new: the client sees one uninterrupted stream
 with the same ``id``, no text repeated or missing, and usage counted once.
 
 A failure report (``RequestFailed``) that a replica's death causes can come before the launcher's

@@ -5,7 +5,7 @@ KV comes to a buffer prefill registers (layer by layer: layer *l* computes as so
 prefix is in) and only the rest is computed. The forward pass runs in a worker thread; each
 layer's new keys and values are queued to the event loop, which writes them straight into their
 blocks in the store's arena over the data plane while the next layers compute. The first token
-goes to output ``tokens`` (egress); output ``done`` (decode) learns it from :class:`PrefillDone`
+goes to output ``tokens`` (ingress, or an egress stage); output ``done`` (decode) learns it from :class:`PrefillDone`
 — unless the request ended here meanwhile (cancelled), then nothing more is sent for it.
 """
 
@@ -61,7 +61,7 @@ class _Job:
 class PrefillStage(Stage):
     kind = "prefill"
     # kv: the stage whose store the KV is written into (over the data-plane link to it)
-    outputs = {"tokens": "egress", "done": "decode", "kv": "kv_shuttle"}
+    outputs = {"tokens": "ingress", "done": "decode", "kv": "kv_shuttle"}
     opens = (PrefillRequest,)
     receives_kv = True  # cached prefixes
 

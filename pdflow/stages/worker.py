@@ -32,7 +32,7 @@ from pdflow.stages.engine_thread import engine_thread, run_in
 
 class WorkerStage(Stage):
     kind = "worker"
-    outputs = {"tokens": "egress"}
+    outputs = {"tokens": "ingress"}
     opens = (PrefillRequest,)
 
     @classmethod

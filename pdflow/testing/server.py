@@ -54,9 +54,10 @@ def _table(settings: dict | None) -> str:
 def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str = "disaggregated",
                   chunked_prefill_tokens: int = 0, kv_streaming: str = "layer",
                   link_options: dict | None = None, request_timeout_s: float = 120, kv: dict | None = None,
-                  server: dict | None = None) -> str:
+                  server: dict | None = None, egress: bool = False) -> str:
     """A topology on ports ``base`` .. ``base + 10``; ``link_options`` go on the prefill -> kv_shuttle
-    link; ``kv`` and ``server``: more settings of the [kv] and [server] tables."""
+    link; ``kv`` and ``server``: more settings of the [kv] and [server] tables; ``egress``: an
+    egress stage detokenizes (else ingress does)."""
     common = f"""
 [model]
 source = "smollm2"
@@ -82,7 +83,9 @@ request_timeout_s = {request_timeout_s}
 
 [stages.ingress]
 port = {base + 3}
-[stages.egress]
+"""
+    if egress:
+        common += f"""[stages.egress]
 port = {base + 7}
 """
     if mode == "colocated":
@@ -132,7 +135,8 @@ class PdflowServer:
     def __init__(self, workdir: Path, transport: str = "tcp", extra: str = "", startup_timeout_s: float = 240,
                  log_format: str = "console", mode: str = "disaggregated", chunked_prefill_tokens: int = 0,
                  kv_streaming: str = "layer", link_options: dict | None = None, request_timeout_s: float = 120,
-                 kv: dict | None = None, api_key: str | None = None, server: dict | None = None):
+                 kv: dict | None = None, api_key: str | None = None, server: dict | None = None,
+                 egress: bool = False):
         from pdflow.security.keys import new_secret
 
         self.workdir = workdir
@@ -144,7 +148,7 @@ class PdflowServer:
         self.topology = workdir / "topology.toml"
         self.topology.write_text(
             topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options,
-                          request_timeout_s, kv, server)
+                          request_timeout_s, kv, server, egress)
         )
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s
