@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+# torch is imported in the functions that use it: `pdflow --help` and its siblings need not load it
 
 DESCRIPTION = __doc__
 FORMATS = ("fp32", "bf16", "int8", "int4", "int8-a16", "int4-a16", "int8-a8", "int4-a8")
@@ -40,6 +40,7 @@ def chat_prompts(tokenizer, count: int = 100) -> list[list[int]]:
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes per second a ``torch.sum`` over ``gib`` GiB of float32 reads (best of ``repeats``)."""
+    import torch
     data = torch.ones(int(gib * (1 << 30)) // 4)
     best = float("inf")
     for _ in range(repeats):
@@ -67,6 +68,7 @@ class _Discard:
 
 def pdflow_times(loaded, batches, prefills, context: int, steps: int) -> dict:
     """Decode step (s) at each batch size over ``context``-token sequences, prefill (s) per length."""
+    import torch
     from pdflow.engine import DecodeBatch, Sampler, Sequence
     from pdflow.messages import SamplingParams
 
@@ -90,6 +92,7 @@ def pdflow_times(loaded, batches, prefills, context: int, steps: int) -> dict:
 
 def transformers_times(hf_model, batches, prefills, context: int, steps: int) -> dict:
     """transformers' eager forward with its own DynamicCache, the same shapes."""
+    import torch
     from transformers import DynamicCache
 
     config = hf_model.config
@@ -200,6 +203,7 @@ def teacher_forced_agreement(loaded, prompts, answers) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
+    import torch
     from pdflow.engine import load_model, load_tokenizer
     from pdflow.engine.loader import load_transformers_model
     from pdflow.models import resolve
