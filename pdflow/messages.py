@@ -14,8 +14,9 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
-# 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked)
+PROTOCOL_VERSION = 5  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+# 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked);
+# 5: tokens straight to ingress, decode's KV destinations in pool slots
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -118,14 +119,18 @@ class EgressRequest(Message):
 class KvDestination(Message):
     """Receiver -> sender: write this request's KV into ``region`` at ``address``.
 
-    kv-shuttle sends it to prefill (a region of its pool); decode sends it to kv-shuttle
-    (a region of the request's own KV buffer).
+    Decode sends it to kv-shuttle: with ``slots``, ``region`` is decode's pool of ``num_slots``
+    slots in the store's block layout and block *i* of the request goes into ``slots[i]``
+    (:mod:`pdflow.kv.arena`); without, ``region`` is a buffer of the request's own
+    (:class:`~pdflow.kv.layout.KvLayout`, ``nbytes`` long).
     """
 
     request_id: str
     address: str
     region: int
     nbytes: int
+    slots: list[int] = []
+    num_slots: int = 0
 
 
 class PrefillDone(Message):

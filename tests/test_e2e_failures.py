@@ -30,10 +30,20 @@ def stream_id(ids: set[str]) -> str:
     return only
 
 
+POOL_BLOCKS = 5  # decode's pool here: 5 blocks of 64 tokens
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
-    """This module's own `pdflow run`, logging JSON."""
-    with PdflowServer(tmp_path_factory.mktemp("pdflow-failures"), log_format="json") as running:
+    """This module's own `pdflow run`, logging JSON, with a small pool of KV blocks in decode."""
+    from transformers import AutoConfig
+
+    from pdflow.kv.layout import KvLayout
+
+    kv = KvLayout.from_config(AutoConfig.from_pretrained(model_dir))
+    pool_bytes = POOL_BLOCKS * 2 * kv.num_layers * kv.block_bytes(64)
+    with PdflowServer(tmp_path_factory.mktemp("pdflow-failures"), log_format="json",
+                      kv={"decode_pool_bytes": pool_bytes}) as running:
         yield running
 
 
@@ -43,6 +53,38 @@ def client(server):
 
 
 MIGRATED_TOKENS = 32
+
+
+def test_requests_wait_for_decode_s_pool_blocks_and_one_that_can_never_fit_fails_clearly(client, server):
+    """Four requests that need 2 of the pool's 5 blocks each (prompt + max_tokens, 65-128
+    tokens): two decode at a time, the others wait for blocks, and each answers as it does
+    alone; a request whose max_tokens needs more blocks than the pool has fails at once with an
+    error naming the setting."""
+    questions = ["Name three primary colors.", "What is 12 times 12?", "Describe a cat in five words.",
+                 "What language is spoken in Brazil?"]
+    kwargs = dict(model="smollm2", temperature=0, max_tokens=60, extra_body={"ignore_eos": True})
+
+    def ask(question):
+        return client.chat.completions.create(messages=[{"role": "user", "content": question}], **kwargs)
+
+    alone = {q: ask(q).choices[0].message.content for q in questions}
+    results: dict[str, str] = {}
+    threads = [threading.Thread(target=lambda q=q: results.__setitem__(q, ask(q).choices[0].message.content))
+               for q in questions]
+    for thread in threads:
+        thread.start()
+    waited = 0
+    while any(thread.is_alive() for thread in threads):
+        stats = server.health()["stages"]["decode-0"]["stats"]
+        waited = max(waited, stats["awaiting_pool_blocks"])
+        time.sleep(0.05)
+    assert results == alone
+    assert waited >= 1  # some did wait for blocks
+    with pytest.raises(openai.APIStatusError) as error:
+        client.chat.completions.create(messages=FRANCE, model="smollm2", max_tokens=400)
+    assert "kv.decode_pool_bytes" in str(error.value) and error.value.status_code == 503
+    stats = faults.settled(server)["stages"]["decode-0"]["stats"]
+    assert stats["pool_blocks"] == POOL_BLOCKS and stats["pool_free_blocks"] == POOL_BLOCKS
 
 
 def test_killing_decode_mid_stream_migrates_the_request_and_its_stream_goes_on_whole(client, server):

@@ -74,6 +74,34 @@ def test_arena_offsets_tile_the_memory_and_runs_are_contiguous() -> None:
     assert list(runs([7, 8], 0, 3, BT)) == [Run(7, 2, 0, 3)]
 
 
+def test_chunks_between_two_arenas_put_every_token_in_its_slot() -> None:
+    """A request's tokens 4..18 (blocks 1..4) from store slots [3, 4, 5, 0] to decode slots
+    (block j of the request in ``dst_slots[j]``): one chunk per run of blocks consecutive on both
+    sides, and read back through the destination's table every token is where it belongs."""
+    from pdflow.kv.chunks import between_slots, slot_of
+
+    src, dst = ArenaLayout(TINY, BT, 6), ArenaLayout(TINY, BT, 9)
+    memory = torch.randn(src.nbytes // 4).view(torch.uint8).numpy().data.cast("B")
+    src_view = src.view(torch.frombuffer(memory, dtype=torch.uint8))
+    src_slots, dst_slots = [3, 4, 5, 0], [8, 1, 2, 6, 7]
+    target = torch.zeros(dst.nbytes, dtype=torch.uint8)
+    chunks = list(between_slots("r", src, memory, 1, (KEYS, VALUES), src_slots, 4, 18, dst, dst_slots, 5))
+    # blocks 1-2 consecutive on both sides (3,4 -> 1,2); block 3 (5 -> 6); block 4 (0 -> 7), 2 tokens
+    assert [(h.kind, h.token_start, h.token_end) for h, _ in chunks] == [
+        (KEYS, 4, 12), (VALUES, 4, 12), (KEYS, 12, 16), (VALUES, 12, 16), (KEYS, 16, 18), (VALUES, 16, 18)]
+    for header, data in chunks:
+        assert header.region == 5 and header.nbytes == len(data) == (header.token_end - header.token_start) * TINY.token_bytes
+        target[header.offset : header.offset + header.nbytes] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        assert slot_of(dst, header) == dst_slots[header.token_start // BT]
+    dst_view = dst.view(target)
+    for token in range(4, 18):
+        block, row = divmod(token, BT)
+        for kind in (KEYS, VALUES):
+            assert torch.equal(dst_view[1, kind, dst_slots[block], row], src_view[1, kind, src_slots[block - 1], row])
+    with pytest.raises(ValueError, match="do not fit"):
+        list(between_slots("r", src, memory, 1, (KEYS,), src_slots, 4, 18, dst, dst_slots[:4], 5))
+
+
 # --- the store ------------------------------------------------------------------------------
 
 

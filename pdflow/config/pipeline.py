@@ -156,6 +156,9 @@ class KvConfig:
     ``store_bytes``: the store's arena, allocated once (pages are mapped as they fill).
     ``high_watermark`` / ``low_watermark``: above this fraction of blocks in use, evict least
     recently used blocks down to that one.
+    ``decode_pool_bytes``: decode's own KV pool, in the same blocks (pages mapped as they fill),
+    where the KV of the requests it decodes lands and stays; each request holds the blocks of its
+    prompt and ``max_tokens`` from its arrival to its end, and waits while they are not free.
     """
 
     prefix_cache: bool = True
@@ -163,6 +166,7 @@ class KvConfig:
     store_bytes: int = 4 << 30
     high_watermark: float = 0.95
     low_watermark: float = 0.85
+    decode_pool_bytes: int = 4 << 30
 
 
 @dataclass(frozen=True, slots=True)

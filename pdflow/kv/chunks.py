@@ -18,7 +18,7 @@ from pdflow.kv.layout import KEYS, VALUES, KvLayout
 from pdflow.messages import KvChunkHeader
 from pdflow.transports.regions import byte_view
 
-__all__ = ["from_slots", "header", "into_slots", "tokens_of_run"]
+__all__ = ["between_slots", "from_slots", "header", "into_slots", "slot_of", "tokens_of_run"]
 
 
 def header(request_id: str, layer: int, kind: int, token_start: int, token_end: int, kv: KvLayout, region: int,
@@ -51,6 +51,41 @@ def from_slots(request_id: str, arena: ArenaLayout, memory: memoryview, layer: i
             data = memory[start : start + (run.token_end - run.token_start) * kv.token_bytes]
             yield (header(request_id, layer, kind, run.token_start, run.token_end, kv, region,
                           kv.offset(buffer_tokens, layer, kind, run.token_start), data), data)
+
+
+def between_slots(request_id: str, src: ArenaLayout, memory: memoryview, layer: int, kinds: Sequence[int],
+                  src_slots: Sequence[int], first_token: int, end_token: int, dst: ArenaLayout,
+                  dst_slots: Sequence[int], region: int) -> Iterator[tuple[KvChunkHeader, memoryview]]:
+    """Chunks copying tokens ``first_token .. end_token`` of ``layer`` (``kinds``: keys and/or
+    values) from slots of ``src`` (``memory``: its bytes; ``src_slots[i]`` holds the block that
+    starts at ``first_token + i * block_tokens``; ``first_token`` block-aligned) into slots of
+    ``dst``, region ``region`` (``dst_slots[j]``: block *j* of the request): one chunk per run of
+    blocks whose slots are consecutive on both sides."""
+    bt, kv = src.block_tokens, src.kv
+    if dst.block_tokens != bt:
+        raise ValueError(f"blocks of {bt} tokens cannot go into blocks of {dst.block_tokens}")
+    first_block = first_token // bt
+    blocks = -(-end_token // bt) - first_block
+    if first_block + blocks > len(dst_slots) or blocks > len(src_slots):
+        raise ValueError(f"tokens {first_token}..{end_token} do not fit the slots given")
+    i = 0
+    while i < blocks:
+        j = i + 1
+        while j < blocks and src_slots[j] == src_slots[j - 1] + 1 \
+                and dst_slots[first_block + j] == dst_slots[first_block + j - 1] + 1:
+            j += 1
+        start, end = first_token + i * bt, min(first_token + j * bt, end_token)
+        for kind in kinds:
+            at = src.offset(layer, kind, src_slots[i])
+            data = memory[at : at + (end - start) * kv.token_bytes]
+            yield (header(request_id, layer, kind, start, end, kv, region,
+                          dst.offset(layer, kind, dst_slots[first_block + i]), data), data)
+        i = j
+
+
+def slot_of(arena: ArenaLayout, header: KvChunkHeader) -> int:
+    """The slot where a chunk written into ``arena`` starts."""
+    return (header.offset - arena.offset(header.layer, header.kind, 0)) // arena.slot_span
 
 
 def tokens_of_run(header: KvChunkHeader) -> int:

@@ -1,5 +1,12 @@
 """decode: receives each request's KV into memory it registered, then decodes it in a running batch.
 
+Where pdflow's attention kernel runs (the compact engine in float32 on the CPU), that memory is
+one pool of blocks in the store's layout (``[kv] decode_pool_bytes``): each request is given the
+slots for its prompt and ``max_tokens`` when it arrives (it waits while they are not free), the
+data plane lands its KV straight in them, and the batch attends from them in place
+(:class:`~pdflow.engine.paged.PagedDecodeBatch`): joining and leaving copy nothing. Elsewhere each
+request gets a buffer of its own, copied into a row of a dense batch when it joins.
+
 Requests join and leave the batch between steps (continuous batching). A request joins once
 every token of every layer has landed (the cached prefix from the store, the rest from prefill
 through kv-shuttle) and prefill has said which token comes first. Each step runs in a worker
@@ -13,16 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from pdflow import transports
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
+from pdflow.engine.paged import KvPool, PagedDecodeBatch
 from pdflow.engine.stopping import after_decode_step
 from pdflow.kv.arena import ArenaLayout
 from pdflow.kv.blocks import answer_blocks
-from pdflow.kv.chunks import into_slots, tokens_of_run
+from pdflow.kv.chunks import into_slots, slot_of, tokens_of_run
 from pdflow.messages import (
     DecodeRequest,
     KvDestination,
@@ -36,6 +45,9 @@ from pdflow.runtime.stage import Stage, Submission
 from pdflow.stages.engine_thread import engine_thread, run_in
 
 _ANSWER_WAIT_S = 30.0  # how long a finished request waits for kv-shuttle's KvReturnSlots
+_LATE_WRITES_S = 3.0  # pool slots of a request that ended before all its KV landed wait this long
+# before another request gets them: a chunk already on its way may still land there
+POOL = 0  # the pool's region; requests' own buffers (no pool) are 1, 2, ...
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +60,7 @@ class _Incoming:
     tokens_left: int  # of every layer's keys and values
     layer_in: list[float]
     done: PrefillDone | None = None
+    slots: list[int] | None = None  # in the pool: its blocks, until the batch owns them
     created: float = field(default_factory=time.monotonic)
     answer: tuple[int, asyncio.Future] | None = None  # (first token, its KV from the batch) once finished
 
@@ -75,13 +88,21 @@ class DecodeStage(Stage):
         await self.from_shuttle.start()
         self.to_shuttle = self.kv_sender("destination")
         self.block_tokens = topo.kv.block_tokens if topo.kv.prefix_cache else 0
-        self.batch = DecodeBatch(self.model, self.limits.max_batch)
-        self.by_region: dict[int, _Incoming] = {}  # KV still landing
+        self.pool: KvPool | None = None
+        if PagedDecodeBatch.runs(self.model):
+            arena = ArenaLayout.for_capacity(self.model.layout, topo.kv.block_tokens, topo.kv.decode_pool_bytes)
+            self.pool = KvPool(arena, self.from_shuttle.allocate(POOL, arena.nbytes))  # with shm: a shared segment
+            self.pool_address = self.from_shuttle.address_for(POOL)
+            self.batch = PagedDecodeBatch(self.model, self.limits.max_batch, self.pool)
+        else:
+            self.batch = DecodeBatch(self.model, self.limits.max_batch)
+        self.by_region: dict[int, _Incoming] = {}  # KV still landing in a buffer of its own
+        self.awaiting_slots: deque[_Incoming] = deque()  # no free pool slots for them yet
         self.waiting: list[_Incoming] = []  # all KV here, not yet in the batch
         self.running: dict[str, Sequence] = {}
         self.to_remove: set[str] = set()
         self.wake = asyncio.Event()
-        self._next_region = 0
+        self._next_region = POOL + 1
         self.spawn(self._notice_loop(), essential=True)
         self.spawn(self._step_loop(), essential=True)
 
@@ -98,9 +119,18 @@ class DecodeStage(Stage):
             StopRequest: lambda m: self.cancel(m.request_id, "stop string matched"),
         }
 
+    def stats(self) -> dict[str, int]:
+        if self.pool is None:
+            return {}
+        return {"pool_blocks": self.pool.arena.num_slots, "pool_free_blocks": self.pool.free_slots,
+                "awaiting_pool_blocks": len(self.awaiting_slots)}
+
     # --- KV arrival -------------------------------------------------------------------------
 
     async def on_request(self, message: DecodeRequest) -> None:
+        if self.pool is not None:
+            await self._request_into_pool(message)
+            return
         layout = self.model.layout
         nbytes = layout.request_bytes(message.prompt_len)
         region = self._next_region
@@ -113,6 +143,62 @@ class DecodeStage(Stage):
         destination = KvDestination(message.request_id, self.from_shuttle.address_for(region), region, nbytes)
         await self.send_output("destination", message.route, destination)
 
+    def _blocks_for(self, request: DecodeRequest) -> int:
+        """Pool blocks the request holds: its prompt and every token it may generate."""
+        tokens = min(request.prompt_len + request.sampling.max_tokens, self.model.max_context)
+        return self.pool.slots_for(max(tokens, request.prompt_len))
+
+    async def _request_into_pool(self, message: DecodeRequest) -> None:
+        layout = self.model.layout
+        entry = _Incoming(message, None, POOL, 2 * layout.num_layers * message.prompt_len, [0.0] * layout.num_layers)
+        self.requests.open(message.request_id, entry)
+        need, held = self._blocks_for(message), self.pool.arena.num_slots
+        if need > held:
+            await self.fail(message.request_id, f"the request needs {need} KV blocks of {self.pool.block_tokens} "
+                            f"tokens (its prompt and max_tokens) and decode's pool holds {held} "
+                            "(kv.decode_pool_bytes); lower max_tokens or raise kv.decode_pool_bytes", message.route)
+            return
+        self.awaiting_slots.append(entry)
+        self._grant_slots()
+
+    def _grant_slots(self) -> None:
+        """Give pool slots to the requests awaiting them, first come first served, while they fit,
+        and tell kv-shuttle where each one's KV goes."""
+        while self.awaiting_slots:
+            entry = self.awaiting_slots[0]
+            request = entry.request
+            need = self._blocks_for(request)
+            if need > self.pool.free_slots:
+                return
+            self.awaiting_slots.popleft()
+            entry.slots = self.pool.take(need)
+            destination = KvDestination(request.request_id, self.pool_address, POOL, self.pool.arena.nbytes,
+                                        entry.slots, self.pool.arena.num_slots)
+            self.spawn(self.send_output("destination", request.route, destination))
+
+    def _give_back(self, entry: _Incoming) -> None:
+        """The request's pool slots back, once nothing more can land in them."""
+        slots, entry.slots = entry.slots, None
+        if slots is None:
+            return
+        if entry.tokens_left <= 0:
+            self.pool.give(slots)
+            self._grant_slots()
+        else:
+            asyncio.get_running_loop().call_later(_LATE_WRITES_S, self._late_give_back, slots)
+
+    def _late_give_back(self, slots: list[int]) -> None:
+        self.pool.give(slots)
+        self._grant_slots()
+
+    def _in_its_slots(self, entry: _Incoming, header) -> bool:
+        """Did the chunk land in the request's own blocks (where its token range belongs)?"""
+        if entry.slots is None or header.kind not in (0, 1) or not 0 <= header.layer < self.model.layout.num_layers:
+            return False
+        block = header.token_start // self.pool.block_tokens
+        return 0 <= header.token_start < header.token_end and block < len(entry.slots) and \
+            slot_of(self.pool.arena, header) == entry.slots[block]
+
     def on_prefill_done(self, message: PrefillDone) -> None:
         entry: _Incoming = self.requests.get(message.request_id)
         entry.done = message
@@ -120,7 +206,16 @@ class DecodeStage(Stage):
 
     async def _notice_loop(self) -> None:
         async for notice in self.notices(self.from_shuttle):
-            entry = self.by_region.get(notice.header.region)
+            if notice.header.region == POOL and self.pool is not None:
+                entry = self.requests.get(notice.header.request_id)
+                if not isinstance(entry, _Incoming) or entry.slots is None:
+                    continue  # over, or already in the batch
+                if notice.error is None and not self._in_its_slots(entry, notice.header):
+                    error = "a KV chunk for it landed outside its blocks of decode's pool"
+                    await self.fail(entry.request.request_id, error, entry.request.route, transient=True)
+                    continue
+            else:
+                entry = self.by_region.get(notice.header.region)
             if entry is None:
                 continue
             if notice.error is not None:
@@ -137,6 +232,8 @@ class DecodeStage(Stage):
             return
         self._release(entry)
         if entry.done.finished:
+            if self.pool is not None:
+                self._give_back(entry)
             self._end(entry)
         else:
             self.waiting.append(entry)
@@ -157,6 +254,10 @@ class DecodeStage(Stage):
 
     def on_cancel(self, request_id: str, entry: _Incoming, reason: str) -> None:
         self._release(entry)
+        if entry in self.awaiting_slots:
+            self.awaiting_slots.remove(entry)
+        if self.pool is not None:  # (slots that went with the batch are the batch's to give back)
+            self._give_back(entry)
         # kv-shuttle drops the request's leases (a second KvReleased, while an answer was offered:
         # the answer is not coming)
         self.spawn(self.send_output("destination", entry.request.route, KvReleased(request_id)))
@@ -168,21 +269,25 @@ class DecodeStage(Stage):
 
     # --- the batch --------------------------------------------------------------------------
 
-    def _admit(self, entries: list[_Incoming]) -> list[Sequence]:
-        """On the step thread: copy each request's KV into a row of the batch."""
+    def _admit(self, entries: list[tuple[_Incoming, list[int] | None]]) -> list[Sequence]:
+        """On the step thread: each request joins the batch, with the pool slots its KV is in
+        (nothing copied), or copied from its buffer into a row."""
         layout = self.model.layout
         admitted = []
-        for entry in entries:
+        for entry, slots in entries:
             n = entry.request.prompt_len
-            buffer = entry.buffer.to(self.model.device)
             seq = Sequence(entry.request.request_id, n, entry.done.first_token, Sampler(entry.request.sampling))
-            self.batch.add(seq, lambda layer: layout.views(buffer, n, layer))
-            entry.buffer = buffer = None  # the batch holds the KV now: free the receive buffer
+            if slots is not None:
+                self.batch.add(seq, slots)
+            else:
+                buffer = entry.buffer.to(self.model.device)
+                self.batch.add(seq, lambda layer: layout.views(buffer, n, layer))
+                entry.buffer = buffer = None  # the batch holds the KV now: free the receive buffer
             seq.extra = {"entry": entry, "joined": time.monotonic(), "steps": [], "tokens": [entry.done.first_token]}
             admitted.append(seq)
         return admitted
 
-    def _step(self, admit: list[_Incoming], remove: list[Sequence]) -> tuple[list[Sequence], list]:
+    def _step(self, admit: list[tuple[_Incoming, list[int] | None]], remove: list[Sequence]) -> tuple[list[Sequence], list]:
         for seq in remove:
             if "answer" in seq.extra:  # its KV goes back to the store: copy it before the row goes
                 start, end = seq.extra["answer"]
@@ -198,10 +303,16 @@ class DecodeStage(Stage):
                 self.wake.clear()
                 await self.wake.wait()
             room = self.limits.max_batch - len(self.running) + len(self.to_remove)
-            admit, self.waiting = self.waiting[:room], self.waiting[room:]
+            joining, self.waiting = self.waiting[:room], self.waiting[room:]
+            admit = []
+            for entry in joining:  # its slots are the batch's from here (a cancel meanwhile leaves them)
+                admit.append((entry, entry.slots))
+                entry.slots = None
             remove = [self.running.pop(rid) for rid in self.to_remove if rid in self.running]
             self.to_remove.clear()
             admitted, results = await loop.run_in_executor(self.executor, self._step, admit, remove)
+            if remove and self.pool is not None:
+                self._grant_slots()  # the removed sequences' slots are free
             for seq in remove:
                 if "answer_kv" in seq.extra:
                     future = seq.extra["entry"].answer[1]

@@ -27,8 +27,8 @@ from transformers import AutoConfig
 from pdflow import transports
 from pdflow.kv.arena import ArenaLayout
 from pdflow.kv.blocks import BlockHasher, answer_blocks, reusable_blocks
-from pdflow.kv.chunks import from_slots
-from pdflow.kv.layout import KvLayout
+from pdflow.kv.chunks import between_slots, from_slots, slot_of
+from pdflow.kv.layout import KEYS, VALUES, KvLayout
 from pdflow.kv.store import KvStore, Lease, StoreFull
 from pdflow.messages import (
     KvChunkHeader,
@@ -162,19 +162,42 @@ class KvShuttleStage(Stage):
         entry: _Entry = self.requests.get(message.request_id)
         if entry.lease is None:
             raise RuntimeError("prefill asked for a prefix before the request was planned")
-        self._spawn_for(entry, self._send_prefix(entry, self.to_prefill, message.address, message.region,
-                                                 entry.cached, "prefill"))
+        rid = message.request_id
+
+        def chunks(layer: int, slots: list[int]):
+            return from_slots(rid, self.arena, self.memory, layer, slots, entry.cached, entry.cached, message.region)
+
+        self._spawn_for(entry, self._send_prefix(entry, self.to_prefill, message.address, chunks, "prefill"))
+
+    def _decode_pool(self, entry: _Entry, message: KvDestination) -> ArenaLayout:
+        """Decode's pool, as its destination describes it (which must hold the request)."""
+        pool = ArenaLayout(self.kv, self.arena.block_tokens, message.num_slots)
+        blocks = -(-entry.num_tokens // pool.block_tokens)
+        if len(message.slots) < blocks or pool.nbytes > message.nbytes or \
+                any(not 0 <= slot < message.num_slots for slot in message.slots[:blocks]):
+            raise ValueError(f"decode's destination cannot hold the request's {entry.num_tokens} tokens: "
+                             f"{len(message.slots)} slots of {message.num_slots}, {message.nbytes} bytes")
+        return pool
 
     def on_decode_destination(self, message: KvDestination) -> None:
         entry: _Entry = self.requests.get(message.request_id)
+        if message.slots:
+            self._decode_pool(entry, message)  # checked here, where a bad one fails the request
         if not entry.decode_destination.done():
             entry.decode_destination.set_result(message)
         if entry.lease is not None and entry.cached:  # else _plan sends it once planned
             self._prefix_to_decode(entry, message)
 
     def _prefix_to_decode(self, entry: _Entry, destination: KvDestination) -> None:
-        self._spawn_for(entry, self._send_prefix(entry, self.to_decode, destination.address, destination.region,
-                                                 entry.num_tokens, "decode"))
+        rid, region = entry.request.request_id, destination.region
+
+        def chunks(layer: int, slots: list[int]):
+            if destination.slots:  # straight into decode's pool blocks
+                return between_slots(rid, self.arena, self.memory, layer, (KEYS, VALUES), slots, 0, entry.cached,
+                                     self._decode_pool(entry, destination), destination.slots, region)
+            return from_slots(rid, self.arena, self.memory, layer, slots, entry.cached, entry.num_tokens, region)
+
+        self._spawn_for(entry, self._send_prefix(entry, self.to_decode, destination.address, chunks, "decode"))
 
     # --- moving bytes -------------------------------------------------------------------------
 
@@ -183,15 +206,13 @@ class KvShuttleStage(Stage):
         entry.tasks.add(task)
         task.add_done_callback(entry.tasks.discard)
 
-    async def _send_prefix(self, entry: _Entry, transport, address: str, region: int, buffer_tokens: int,
-                           to: str) -> None:
-        """The cached prefix, layer by layer, into a request buffer of ``buffer_tokens`` tokens."""
+    async def _send_prefix(self, entry: _Entry, transport, address: str, chunks, to: str) -> None:
+        """The cached prefix, layer by layer (``chunks(layer, slots)``: where each part goes)."""
         rid = entry.request.request_id
         slots = entry.lease.slots[: entry.cached // self.arena.block_tokens]
         try:
             for layer in range(self.kv.num_layers):
-                for header, data in from_slots(rid, self.arena, self.memory, layer, slots, entry.cached,
-                                               buffer_tokens, region):
+                for header, data in chunks(layer, slots):
                     await transport.write(address, header, data)
         except asyncio.CancelledError:
             pass
@@ -200,10 +221,20 @@ class KvShuttleStage(Stage):
                 await self.fail(rid, f"sending the cached prefix to {to} failed: {exc!r}", transient=True)
 
     async def _forward(self, entry: _Entry, header: KvChunkHeader) -> None:
-        """A chunk prefill wrote into the arena, on to decode's buffer of the prompt."""
+        """A chunk prefill wrote into the arena, on to decode: into its pool's blocks (split where
+        its slots are not consecutive), or into its buffer of the prompt."""
         rid = entry.request.request_id
         try:
             destination = await asyncio.wait_for(asyncio.shield(entry.decode_destination), self.limits.request_timeout_s)
+            if destination.slots:
+                first, bt = slot_of(self.arena, header), self.arena.block_tokens
+                src = range(first, first + -(-header.token_end // bt) - header.token_start // bt)
+                for part, data in between_slots(rid, self.arena, self.memory, header.layer, (header.kind,), src,
+                                                header.token_start, header.token_end,
+                                                self._decode_pool(entry, destination), destination.slots,
+                                                destination.region):
+                    await self.to_decode.write(destination.address, part, data)
+                return
             data = self.memory[header.offset : header.offset + header.nbytes]
             offset = self.kv.offset(entry.num_tokens, header.layer, header.kind, header.token_start)
             await self.to_decode.write(destination.address,

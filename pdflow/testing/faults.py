@@ -202,8 +202,8 @@ def shm_segments() -> set[str]:
 
 
 def settled(server, timeout_s: float = 60.0) -> dict:
-    """Wait until the server is healthy with nothing in flight anywhere and no KV lease held;
-    its /health. AssertionError naming what did not settle."""
+    """Wait until the server is healthy with nothing in flight anywhere, no KV lease held and every
+    block of decode's pool free; its /health. AssertionError naming what did not settle."""
     deadline = time.monotonic() + timeout_s
     problems = ["no answer from /health"]
     while time.monotonic() < deadline:
@@ -220,6 +220,8 @@ def settled(server, timeout_s: float = 60.0) -> dict:
                 stats = info.get("stats", {})
                 if stats.get("leases") or stats.get("pinned_blocks"):
                     problems.append(f"{name} holds {stats.get('leases')} leases, {stats.get('pinned_blocks')} pinned")
+                if stats.get("pool_free_blocks") != stats.get("pool_blocks"):
+                    problems.append(f"{name} holds {stats['pool_blocks'] - stats['pool_free_blocks']} pool blocks")
             if not problems:
                 return body
         time.sleep(0.25)

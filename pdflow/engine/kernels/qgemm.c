@@ -777,54 +777,102 @@ void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64
             memcpy((float *)values + at + h * head_stride, new_v + b * new_v_stride + h * head_dim, head_dim * sizeof(float));
         }
     }
+    /* Token-major blocks (every kv head of a token side by side, as the store's): one task per
+     * sequence reads each token's row whole, front to back, instead of one kv head's slice of it
+     * per task (three strided passes over the same memory, which the prefetchers serve badly). */
+    const int whole_rows = kv_heads > 1 && head_stride * kv_heads <= token_stride;
+    /* Fewer sequences than threads: each sequence's tokens are split into `parts` ranges, each
+     * range's softmax computed on its own and the parts merged after (flash-decoding's split). */
+    const int64_t parts = whole_rows && batch < threads ? threads : 1;
+    const int64_t tasks = whole_rows ? batch * parts : batch * kv_heads * chunks;
+    float *partial = parts > 1 ? malloc(sizeof(float) * batch * parts * heads * (head_dim + 2)) : NULL;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t task = 0; task < batch * kv_heads * chunks; task++) {
-        const int64_t b = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, chunk = task % chunks;
-        const int64_t first = kvh * group + chunk * MAX_SHARED;  /* this task's query heads: first .. first + shared */
-        const int64_t shared = group - chunk * MAX_SHARED < MAX_SHARED ? group - chunk * MAX_SHARED : MAX_SHARED;
-        float acc[MAX_SHARED][MAX_HEAD_DIM], scores[MAX_SHARED][MAX_RUN], running_max[MAX_SHARED], total[MAX_SHARED];
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t b, first, shared, part = 0;  /* this task's query heads: first .. first + shared */
+        if (whole_rows) {
+            b = task / parts, part = task % parts, first = 0, shared = heads;
+        } else {
+            b = task / (kv_heads * chunks);
+            const int64_t kvh = task / chunks % kv_heads, chunk = task % chunks;
+            first = kvh * group + chunk * MAX_SHARED;
+            shared = group - chunk * MAX_SHARED < MAX_SHARED ? group - chunk * MAX_SHARED : MAX_SHARED;
+        }
+        float stack_scratch[MAX_SHARED * (MAX_RUN + MAX_HEAD_DIM + 2)];
+        float *scratch = shared <= MAX_SHARED ? stack_scratch
+                                              : malloc(sizeof(float) * shared * (MAX_RUN + head_dim + 2));
+        float *scores = scratch, *acc = scores + shared * MAX_RUN, *running_max = acc + shared * head_dim,
+              *total = running_max + shared;
+        int64_t offset[shared];  /* query head j reads kv head (first + j) / group */
         for (int64_t j = 0; j < shared; j++) {
-            for (int64_t d = 0; d < head_dim; d++) acc[j][d] = 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) acc[j * head_dim + d] = 0.0f;
             running_max[j] = -INFINITY;
             total[j] = 0.0f;
+            offset[j] = (first + j) / group * head_stride;
         }
-        const int64_t length = lengths[b];
-        for (int64_t start = 0; start < length;) {
+        const float *qb = q + (b * heads + first) * head_dim;
+        const int64_t length = lengths[b] * (part + 1) / parts;  /* this task's tokens: start .. length */
+        for (int64_t start = lengths[b] * part / parts; start < length;) {
             const int64_t slot = table[b * table_width + start / block_tokens], row = start % block_tokens;
             int64_t n = block_tokens - row;
             if (n > length - start) n = length - start;
             if (n > MAX_RUN) n = MAX_RUN;
-            const float *kb = keys + slot * slot_stride + row * token_stride + kvh * head_stride;
-            const float *vb = values + slot * slot_stride + row * token_stride + kvh * head_stride;
+            const float *kb = keys + slot * slot_stride + row * token_stride;
+            const float *vb = values + slot * slot_stride + row * token_stride;
             for (int64_t t = 0; t < n; t++)
                 for (int64_t j = 0; j < shared; j++)
-                    scores[j][t] = dot_any(q + (b * heads + first + j) * head_dim, kb + t * token_stride, head_dim) * scale;
+                    scores[j * MAX_RUN + t] = dot_any(qb + j * head_dim, kb + t * token_stride + offset[j], head_dim) * scale;
             for (int64_t j = 0; j < shared; j++) {
-                float block_max = -INFINITY;
-                for (int64_t t = 0; t < n; t++) block_max = scores[j][t] > block_max ? scores[j][t] : block_max;
+                float *s = scores + j * MAX_RUN, block_max = -INFINITY;
+                for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
                 const float new_max = block_max > running_max[j] ? block_max : running_max[j];
                 const float rescale = expf(running_max[j] - new_max);  /* 0 on the first run */
-                total[j] = total[j] * rescale + exp_any(scores[j], n, new_max);
-                for (int64_t d = 0; d < head_dim; d++) acc[j][d] *= rescale;
+                total[j] = total[j] * rescale + exp_any(s, n, new_max);
+                for (int64_t d = 0; d < head_dim; d++) acc[j * head_dim + d] *= rescale;
                 running_max[j] = new_max;
             }
             for (int64_t t = 0; t < n; t++) {
                 const float *vt = vb + t * token_stride;
                 for (int64_t j = 0; j < shared; j++) {
-                    const float p = scores[j][t];
-                    float *a = acc[j];
+                    const float p = scores[j * MAX_RUN + t], *v = vt + offset[j];
+                    float *a = acc + j * head_dim;
                     #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * vt[d];
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * v[d];
                 }
             }
             start += n;
         }
         for (int64_t j = 0; j < shared; j++) {
+            if (parts > 1) {  /* this part's running maximum, sum and unnormalized output, merged below */
+                float *p = partial + ((b * parts + part) * heads + first + j) * (head_dim + 2);
+                p[0] = running_max[j], p[1] = total[j];
+                for (int64_t d = 0; d < head_dim; d++) p[2 + d] = acc[j * head_dim + d];
+                continue;
+            }
             float *o = out + (b * heads + first + j) * head_dim;
             const float inv = 1.0f / total[j];
-            for (int64_t d = 0; d < head_dim; d++) o[d] = acc[j][d] * inv;
+            for (int64_t d = 0; d < head_dim; d++) o[d] = acc[j * head_dim + d] * inv;
         }
+        if (scratch != stack_scratch) free(scratch);
     }
+    if (parts == 1) return;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; h < heads; h++) {
+            float top = -INFINITY, sum = 0.0f, *o = out + (b * heads + h) * head_dim;
+            for (int64_t part = 0; part < parts; part++) {
+                const float m = partial[((b * parts + part) * heads + h) * (head_dim + 2)];
+                top = m > top ? m : top;
+            }
+            for (int64_t d = 0; d < head_dim; d++) o[d] = 0.0f;
+            for (int64_t part = 0; part < parts; part++) {
+                const float *p = partial + ((b * parts + part) * heads + h) * (head_dim + 2);
+                if (p[1] == 0.0f) continue;  /* a part without tokens */
+                const float w = expf(p[0] - top);
+                sum += p[1] * w;
+                for (int64_t d = 0; d < head_dim; d++) o[d] += p[2 + d] * w;
+            }
+            for (int64_t d = 0; d < head_dim; d++) o[d] /= sum;
+        }
+    free(partial);
 }
 
 /* ---- a decode step's layers in one call ----
