@@ -11,7 +11,7 @@
 3. overhead: decode tokens/s through the whole PD pipeline against the bare engine's decode loop
    at the same batch size, and how long a token takes from decode to the client.
    hops: that last figure with tokens straight to ingress (the default) against through an
-   egress stage, both servers up at once.
+   egress stage, taken at the client's socket and after httpx's parse.
 
     .venv/bin/python scripts/experiment_disaggregation.py --out bench-results/experiment
     .venv/bin/python scripts/experiment_disaggregation.py --parts kv-tail,overhead --quick
@@ -165,10 +165,13 @@ def part_kv_tail(opts, out: Path) -> None:
 
 
 def _bare_decode_step_s(batch: int, prompt_tokens: int, steps: int) -> float:
-    """The engine's own decode loop, pinned like the decode stage (core 1, one thread)."""
+    """The engine's own decode loop, pinned like the decode stage (core 1, one thread), with the
+    batch the decode stage runs (KV in pool blocks where the attention kernel serves)."""
     import torch
 
     from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
+    from pdflow.engine.paged import KvPool, PagedDecodeBatch
+    from pdflow.kv.arena import ArenaLayout
     from pdflow.messages import SamplingParams
     from pdflow.models import resolve
 
@@ -178,11 +181,17 @@ def _bare_decode_step_s(batch: int, prompt_tokens: int, steps: int) -> float:
     try:
         loaded = load_model(resolve("smollm2", progress=False))
         layout = loaded.layout
-        decode = DecodeBatch(loaded, batch)
         kv = [torch.randn(layout.num_kv_heads, prompt_tokens, layout.head_dim) for _ in range(2)]
+        if PagedDecodeBatch.runs(loaded):
+            blocks = batch * -(-(prompt_tokens + steps + 8) // 64)
+            decode = PagedDecodeBatch(loaded, batch, KvPool(ArenaLayout(layout, 64, blocks)))
+            add = decode.add_from
+        else:
+            decode = DecodeBatch(loaded, batch)
+            add = decode.add
         for i in range(batch):
-            decode.add(Sequence(str(i), prompt_tokens, 100 + i, Sampler(SamplingParams(temperature=0))),
-                       lambda layer: (kv[0], kv[1]))
+            sampler = Sampler(SamplingParams(temperature=0, max_tokens=steps + 4))
+            add(Sequence(str(i), prompt_tokens, 100 + i, sampler), lambda layer: (kv[0], kv[1]))
         decode.step()  # warm-up
         started = time.perf_counter()
         for _ in range(steps):
@@ -222,7 +231,7 @@ def _pipeline_decode_step_s(url: str, prompts: list[list[int]], new_tokens: int)
 
 
 def part_overhead(opts, out: Path) -> None:
-    batch, prompt_tokens, new_tokens = opts.batch, 128, 48
+    batch, prompt_tokens, new_tokens = opts.batch, 128, 256  # long enough that all of them decode together
     prompts = [[(i * 31 + j * 7) % 40000 + 1000 for j in range(prompt_tokens)] for i in range(batch)]
     rounds, deltas = [], []
     with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
@@ -254,33 +263,62 @@ def part_overhead(opts, out: Path) -> None:
     (out / "overhead.json").write_text(json.dumps({"rounds_step_s": rounds, "token_to_client_s": deltas}))
 
 
+def _socket_arrivals(port: int, prompt: list[int], max_tokens: int) -> tuple[str, list[float]]:
+    """As :func:`_stream_arrivals`, but each token's time is when its server-sent event's bytes
+    reach the client's socket (a raw HTTP/1.1 request, no client library parsing in between)."""
+    import socket
+
+    body = json.dumps({"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    arrivals, received, request_id = [], b"", ""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        while b"[DONE]" not in received:
+            data = sock.recv(1 << 16)
+            now = time.monotonic()
+            if not data:
+                break
+            arrivals += [now] * (data.count(b'"text":"') - data.count(b'"text":""'))  # events with text
+            received += data
+    if b'"id":"' in received:
+        start = received.index(b'"id":"') + 6
+        request_id = received[start : received.index(b'"', start)].decode()
+    return request_id, arrivals
+
+
 def part_hops(opts, out: Path) -> None:
     """A token's way from decode to the client: straight to ingress (the default, one control hop)
-    against through an egress stage (two hops), both servers up at once and asked in turn."""
+    against through an egress stage (two hops); one server up at a time, in turns; each token's
+    arrival taken at the client's socket and after httpx has parsed its event."""
     prompt, new_tokens = [(j * 7) % 40000 + 1000 for j in range(128)], 48
-    deltas: dict[str, list[float]] = {"ingress (1 hop)": [], "egress stage (2 hops)": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        one, two = Path(tmp, "one"), Path(tmp, "two")
-        one.mkdir(), two.mkdir()
-        with PdflowServer(one) as direct, PdflowServer(two, egress=True) as via_egress:
-            servers = {"ingress (1 hop)": direct, "egress stage (2 hops)": via_egress}
-            for _ in range(opts.hop_requests):
-                for name, server in servers.items():
-                    rid, arrivals = _stream_arrivals(server.url, prompt, new_tokens)
-                    steps = httpx.get(f"{server.url}/debug/timeline/{rid}", timeout=30).json()["decode.steps"]
-                    deltas[name] += [a - s for a, s in zip(arrivals[1:], steps)]
+    names = {False: "ingress (1 hop)", True: "egress stage (2 hops)"}
+    deltas = {(name, how): [] for name in names.values() for how in ("socket", "httpx")}
+    for _ in range(opts.hop_rounds):
+        for egress, name in names.items():
+            with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), egress=egress) as server:
+                for _ in range(opts.hop_requests):
+                    for how, stream in (("socket", lambda: _socket_arrivals(server.base, prompt, new_tokens)),
+                                        ("httpx", lambda: _stream_arrivals(server.url, prompt, new_tokens))):
+                        rid, arrivals = stream()
+                        steps = httpx.get(f"{server.url}/debug/timeline/{rid}", timeout=30).json()["decode.steps"]
+                        deltas[(name, how)] += [a - s for a, s in zip(arrivals[1:], steps)]
     say()
-    say(f"A token from decode to the client ({opts.hop_requests} requests alone on each server, "
-        f"{new_tokens} tokens each, asked in turn):")
+    say(f"A token from decode to the client ({opts.hop_rounds} rounds of {opts.hop_requests} requests alone on "
+        f"each pipeline, one server up at a time, {new_tokens} tokens each):")
     say()
-    say("| tokens go | tokens | p50 | p90 | p99 |")
-    say("|---|---:|---:|---:|---:|")
-    for name, values in deltas.items():
+    say("| tokens go | arrival taken | tokens | p50 | p90 | p99 |")
+    say("|---|---|---:|---:|---:|---:|")
+    for (name, how), values in deltas.items():
         ordered = sorted(values)
+
         def at(q):
             return ordered[int(q * (len(ordered) - 1))] * 1e3
-        say(f"| {name} | {len(values)} | {at(0.5):.2f} ms | {at(0.9):.2f} ms | {at(0.99):.2f} ms |")
-    (out / "hops.json").write_text(json.dumps(deltas))
+
+        taken = "at the client's socket" if how == "socket" else "after httpx parsed the event"
+        say(f"| {name} | {taken} | {len(values)} | {at(0.5):.2f} ms | {at(0.9):.2f} ms | {at(0.99):.2f} ms |")
+    (out / "hops.json").write_text(json.dumps({f"{name}, {how}": v for (name, how), v in deltas.items()}))
 
 
 def main() -> int:
@@ -300,11 +338,12 @@ def main() -> int:
     parser.add_argument("--link-latency", default="0.5ms")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--overhead-rounds", type=int, default=3)
-    parser.add_argument("--hop-requests", type=int, default=10, help="requests per server in part hops")
+    parser.add_argument("--hop-requests", type=int, default=5, help="requests per server and round in part hops")
+    parser.add_argument("--hop-rounds", type=int, default=2, help="rounds of part hops (each starts both servers)")
     opts = parser.parse_args()
     if opts.quick:
         opts.rates, opts.num_prompts, opts.input_range, opts.trace_limit = "0.5", 4, "16:128", 4
-        opts.kv_tokens, opts.batch, opts.overhead_rounds, opts.hop_requests = [256], 4, 1, 2
+        opts.kv_tokens, opts.batch, opts.overhead_rounds, opts.hop_requests, opts.hop_rounds = [256], 4, 1, 2, 1
     parts = {"serve": part_serve, "trace": part_trace, "kv-tail": part_kv_tail, "overhead": part_overhead,
              "hops": part_hops}
     return REPORT.run("pdflow disaggregation experiment", parts, opts)

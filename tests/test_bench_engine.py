@@ -15,10 +15,11 @@ def test_a_small_run_reports_each_format_with_its_floor_and_agreement(model_dir,
     for name, row in report["formats"].items():
         assert set(row["decode"]) == {1, 2} and all(t > 0 for t in row["decode"].values())
         assert row["weight_bytes"] > 0 and row["prefill"][16] > 0
+        assert set(row["decode_dense"]) == {1, 2} and row["decode"] != row["decode_dense"]  # paged, and dense beside
     int4, fp32 = report["formats"]["int4"], report["formats"]["fp32"]
     assert int4["weight_bytes"] < fp32["weight_bytes"] / 4
     assert fp32["agreement"] == 1.0 and fp32["identical_answers"] == 3
     assert int4["agreement"] >= 0.9  # SmolLM2's int4 weights are its own (Q4_1) weights
     text = engine.table(report)
-    for needed in ("transformers", "fp32", "int4", "eff. BW", "pdflow / transformers"):
+    for needed in ("transformers", "fp32", "int4", "eff. BW", "pdflow / transformers", "paged / dense"):
         assert needed in text

@@ -70,19 +70,28 @@ def pdflow_times(loaded, batches, prefills, context: int, steps: int) -> dict:
     """Decode step (s) at each batch size over ``context``-token sequences, prefill (s) per length."""
     import torch
     from pdflow.engine import DecodeBatch, Sampler, Sequence
+    from pdflow.engine.paged import KvPool, PagedDecodeBatch
+    from pdflow.kv.arena import ArenaLayout
     from pdflow.messages import SamplingParams
 
     layout = loaded.layout
-    out = {"decode": {}, "prefill": {}}
+    out = {"decode": {}, "decode_dense": {}, "prefill": {}}
     for size in batches:
+        kv = [(torch.randn(layout.num_kv_heads, context, layout.head_dim) * 0.5,
+               torch.randn(layout.num_kv_heads, context, layout.head_dim) * 0.5) for _ in range(layout.num_layers)]
         batch = DecodeBatch(loaded, max_batch=size)
+        paged = None
+        if PagedDecodeBatch.runs(loaded):  # what the decode stage runs: KV in pool blocks
+            blocks = -(-(context + steps * 4 + 16) // 64) * size
+            paged = PagedDecodeBatch(loaded, size, KvPool(ArenaLayout(layout, 64, blocks)))
         for i in range(size):
-            sampler = Sampler(SamplingParams(max_tokens=steps * 4 + 8, temperature=0, ignore_eos=True))
-            kv = [(torch.randn(layout.num_kv_heads, context, layout.head_dim) * 0.5,
-                   torch.randn(layout.num_kv_heads, context, layout.head_dim) * 0.5)
-                  for _ in range(layout.num_layers)]
-            batch.add(Sequence(str(i), context, 100 + i, sampler), kv.__getitem__)
-        out["decode"][size] = _median_time(batch.step, steps)
+            for target in (batch, paged):
+                if target is not None:
+                    sampler = Sampler(SamplingParams(max_tokens=steps * 4 + 8, temperature=0, ignore_eos=True))
+                    add = target.add if target is batch else target.add_from
+                    add(Sequence(str(i), context, 100 + i, sampler), kv.__getitem__)
+        out["decode_dense"][size] = _median_time(batch.step, steps)
+        out["decode"][size] = _median_time(paged.step, steps) if paged is not None else out["decode_dense"][size]
     for tokens in prefills:
         ids = torch.randint(100, 40000, (1, tokens))
         positions = torch.arange(tokens)[None]
@@ -283,6 +292,13 @@ def table(report: dict) -> str:
             ratios = [f"step b{b} {r['decode'][b] / base['decode'][b]:.2f}x" for b in batches if b in base["decode"]]
             ratios += [f"prefill {p} {base['prefill'][p] / r['prefill'][p]:.2f}x" for p in prefills]
             lines.append(f"  {name}: {', '.join(ratios)}")
+    paged = {name: r for name, r in formats.items() if r.get("decode_dense") and r["decode_dense"] != r["decode"]}
+    if paged:
+        lines += ["", "decode steps above: KV in pool blocks, as the decode stage runs them; the same with "
+                  "dense per-sequence rows (paged / dense):"]
+        for name, r in paged.items():
+            lines.append(f"  {name}: " + ", ".join(f"b{b} {r['decode_dense'][b] * 1e3:.1f} ms "
+                                                  f"({r['decode'][b] / r['decode_dense'][b]:.2f}x)" for b in batches))
     lines.append("")
     for name, r in formats.items():
         lines.append(f"  {name}: {r['kernel']}; loaded in {r['load_s']:.1f} s")

@@ -161,6 +161,20 @@ class PagedDecodeBatch:
         self.sequences.append(seq)
         self.slots.append(list(slots))
 
+    def add_from(self, seq: Sequence, layer_kv) -> None:
+        """Join with KV that is not in the pool yet: ``layer_kv(layer)`` gives that layer's
+        ``(keys, values)``, each ``(kv_heads, tokens, head_dim)``, copied into slots taken for the
+        sequence's tokens and every token it may still generate (within the model's context)."""
+        left = max(seq.sampler.params.max_tokens - seq.generated, 0)
+        slots = self.pool.take(self.pool.slots_for(min(seq.length + left, self.loaded.max_context) + 1))
+        bt = self.pool.block_tokens
+        for layer in range(self.loaded.layout.num_layers):
+            for kind, kv in enumerate(layer_kv(layer)):
+                for i, slot in enumerate(slots[: self.pool.slots_for(seq.length)]):
+                    part = kv[:, i * bt : (i + 1) * bt].transpose(0, 1)
+                    self.pool.blocks[layer, kind, slot, : part.shape[0]] = part
+        self.add(seq, slots)
+
     def remove(self, seq: Sequence) -> None:
         i = self.sequences.index(seq)
         self.sequences.pop(i)
