@@ -90,7 +90,8 @@ def test_chunks_between_two_arenas_put_every_token_in_its_slot() -> None:
     assert [(h.kind, h.token_start, h.token_end) for h, _ in chunks] == [
         (KEYS, 4, 12), (VALUES, 4, 12), (KEYS, 12, 16), (VALUES, 12, 16), (KEYS, 16, 18), (VALUES, 16, 18)]
     for header, data in chunks:
-        assert header.region == 5 and header.nbytes == len(data) == (header.token_end - header.token_start) * TINY.token_bytes
+        tokens = header.token_end - header.token_start
+        assert header.region == 5 and header.nbytes == len(data) == tokens * TINY.token_bytes
         target[header.offset : header.offset + header.nbytes] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         assert slot_of(dst, header) == dst_slots[header.token_start // BT]
     dst_view = dst.view(target)

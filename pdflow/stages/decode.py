@@ -10,10 +10,10 @@ request gets a buffer of its own, copied into a row of a dense batch when it joi
 Requests join and leave the batch between steps (continuous batching). A request joins once
 every token of every layer has landed (the cached prefix from the store, the rest from prefill
 through kv-shuttle) and prefill has said which token comes first. Each step runs in a worker
-thread; its tokens go to ingress (or an egress stage). When a request ends, kv-shuttle hears which tokens decode
-generated (:class:`KvReleased`); if they complete blocks the store lacks, it names slots for
-them (:class:`KvReturnSlots`) and decode writes that KV back, so the next turn of a chat finds
-its history, answers included, in the store.
+thread; its tokens go to ingress (or an egress stage). When a request ends, kv-shuttle hears
+which tokens decode generated (:class:`KvReleased`); if they complete blocks the store lacks, it
+names slots for them (:class:`KvReturnSlots`) and decode writes that KV back, so the next turn of
+a chat finds its history, answers included, in the store.
 """
 
 from __future__ import annotations
@@ -287,7 +287,8 @@ class DecodeStage(Stage):
             admitted.append(seq)
         return admitted
 
-    def _step(self, admit: list[tuple[_Incoming, list[int] | None]], remove: list[Sequence]) -> tuple[list[Sequence], list]:
+    def _step(self, admit: list[tuple[_Incoming, list[int] | None]],
+              remove: list[Sequence]) -> tuple[list[Sequence], list]:
         for seq in remove:
             if "answer" in seq.extra:  # its KV goes back to the store: copy it before the row goes
                 start, end = seq.extra["answer"]
