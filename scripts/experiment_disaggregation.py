@@ -66,37 +66,69 @@ def part_serve(opts, out: Path) -> None:
     mixed = ["--dataset", "random", "--input-len-range", opts.input_range, "--output-len-range", "32:64",
              "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", rates,
              "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
-    results = _designs(out, "mixed", mixed, plot=True)
+    repeats = []
+    for rep in range(opts.repeats):
+        say(f"- repetition {rep + 1} of {opts.repeats}")
+        repeats.append(_designs(out, f"mixed-{rep + 1}", mixed, plot=rep == 0))
     from pdflow.bench.plots import plot_compare
 
-    plot_compare({design: results[design]["runs"] for design in DESIGNS}, out / "compare.png")
+    plot_compare({design: repeats[0][design]["runs"] for design in DESIGNS}, out / "compare.png")
     say()
     say(f"Mixed load: random input {opts.input_range} tokens, output 32-64, {opts.num_prompts} requests "
-        f"per rate; SLOs: TTFT <= {opts.slo_ttft:.0f} ms, TBT (Mooncake: mean of the longest 10% gaps "
-        f"of a request) <= {opts.slo_tbt:.0f} ms")
+        f"per rate, {opts.repeats} repetitions; SLOs: TTFT <= {opts.slo_ttft:.0f} ms, TBT (Mooncake: mean of "
+        f"the longest 10% gaps of a request) <= {opts.slo_tbt:.0f} ms")
     say()
-    header = ("| rate | design | TTFT p50 | TTFT p99 | TBT p50 | TBT p99 | Mooncake TBT p99 | goodput (req/s) "
-              "| good |")
-    say(header)
-    say("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for i, rate in enumerate(rates.split(",")):
-        for design in DESIGNS:
-            m = results[design]["runs"][i]["metrics"]
-            say(f"| {rate} | {design} | {_f(m['ttft_ms']['p50'])} | {_f(m['ttft_ms']['p99'])} | "
-                f"{_f(m['tbt_ms']['p50'])} | {_f(m['tbt_ms']['p99'])} | {_f(m['tbt_mooncake_ms']['p99'])} | "
-                f"{m['goodput']:.3f} | {m['goodput_fraction']:.0%} |")
+    say("| rep | rate | design | TTFT p50 | TTFT p99 | TBT p50 | TBT p99 | Mooncake TBT p99 | goodput (req/s) | good |")
+    say("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for rep, results in enumerate(repeats, 1):
+        for i, rate in enumerate(rates.split(",")):
+            for design in DESIGNS:
+                m = results[design]["runs"][i]["metrics"]
+                say(f"| {rep} | {rate} | {design} | {_f(m['ttft_ms']['p50'])} | {_f(m['ttft_ms']['p99'])} | "
+                    f"{_f(m['tbt_ms']['p50'])} | {_f(m['tbt_ms']['p99'])} | {_f(m['tbt_mooncake_ms']['p99'])} | "
+                    f"{m['goodput']:.3f} | {m['goodput_fraction']:.0%} |")
     say()
-    say("Ratios from the same run (colocated / PD for TBT p99, PD / colocated for goodput):")
+    say("Ratios (colocated / PD for TBT p99, PD / colocated for goodput): the median of the repetitions, "
+        "and their range:")
     say()
     say("| rate | vs | TBT p99 ratio | Mooncake TBT p99 ratio | goodput ratio |")
-    say("|---|---|---:|---:|---:|")
+    say("|---|---|---|---|---|")
     for i, rate in enumerate(rates.split(",")):
-        pd = results["pd"]["runs"][i]["metrics"]
         for design in ("colocated", "colocated-chunked"):
-            m = results[design]["runs"][i]["metrics"]
-            good = f"{pd['goodput'] / m['goodput']:.2f}x" if m["goodput"] else f"{pd['goodput']:.3f} vs 0"
-            ratios = [_ratio(pd[key]["p99"], m[key]["p99"]) for key in ("tbt_ms", "tbt_mooncake_ms")]
-            say(f"| {rate} | {design} | {ratios[0]} | {ratios[1]} | {good} |")
+            cells = []
+            for key in ("tbt_ms", "tbt_mooncake_ms", "goodput"):
+                values = []
+                for results in repeats:
+                    pd, m = results["pd"]["runs"][i]["metrics"], results[design]["runs"][i]["metrics"]
+                    if key == "goodput":
+                        values.append(pd["goodput"] / m["goodput"] if m["goodput"] else float("inf"))
+                    elif pd[key]["p99"] and m[key]["p99"]:
+                        values.append(m[key]["p99"] / pd[key]["p99"])
+                cells.append(_spread(values))
+            say(f"| {rate} | {design} | {' | '.join(cells)} |")
+    # how undisturbed PD's decode stays: its TBT against the bare step (the same batch class,
+    # pinned like the decode stage) at the batch sizes the load reaches
+    context = sum(int(x) for x in opts.input_range.split(":")) // 2 + 48
+    bare = {b: _bare_decode_step_s(b, context, 20) for b in (1, 4, 8)}
+    say()
+    say(f"PD's decode under this load against the bare decode step ({context}-token context, core 1, 1 thread): "
+        + ", ".join(f"batch {b} {t * 1e3:.1f} ms" for b, t in bare.items()))
+    say()
+    say("| rate | PD TBT p50 (median of reps) | PD TBT p99 (median, range) | "
+        + " | ".join(f"TBT p99 / bare step b{b}" for b in bare) + " |")
+    say("|---|---:|---|" + "---:|" * len(bare))
+    for i, rate in enumerate(rates.split(",")):
+        p50 = statistics.median(r["pd"]["runs"][i]["metrics"]["tbt_ms"]["p50"] for r in repeats)
+        p99 = [r["pd"]["runs"][i]["metrics"]["tbt_ms"]["p99"] for r in repeats]
+        ratios = " | ".join(f"{statistics.median(p99) / (t * 1e3):.2f}x" for t in bare.values())
+        say(f"| {rate} | {p50:.1f} ms | {_spread(p99, ' ms')} | {ratios} |")
+    (out / "bare_steps.json").write_text(json.dumps(bare))
+
+
+def _spread(values: list[float], unit: str = "x") -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}–{max(values):.2f})"
 
 
 def _ratio(ours: float | None, theirs: float | None) -> str:
@@ -326,11 +358,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "experiment")
     parser.add_argument("--parts", default="serve,trace,kv-tail,overhead,hops")
     parser.add_argument("--quick", action="store_true", help="fewer requests and smaller prompts (a smoke run)")
-    parser.add_argument("--rates", default="0.2,0.4,0.6")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--input-range", default="32:768")
-    parser.add_argument("--slo-ttft", type=float, default=10000.0)
-    parser.add_argument("--slo-tbt", type=float, default=500.0)
+    parser.add_argument("--rates", default="0.4,0.8", help="request rates of part serve (default: %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=60, help="requests per rate (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of part serve (default: %(default)s)")
+    parser.add_argument("--input-range", default="32:512")
+    # SLOs from the engine's step (about 50 ms at batch 8 on one core): TBT 6x that, TTFT a few prefills
+    parser.add_argument("--slo-ttft", type=float, default=5000.0)
+    parser.add_argument("--slo-tbt", type=float, default=300.0)
     parser.add_argument("--trace-limit", type=int, default=40)
     parser.add_argument("--trace-time-scale", type=float, default=0.1)
     parser.add_argument("--kv-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8000])
@@ -342,7 +376,7 @@ def main() -> int:
     parser.add_argument("--hop-rounds", type=int, default=2, help="rounds of part hops (each starts both servers)")
     opts = parser.parse_args()
     if opts.quick:
-        opts.rates, opts.num_prompts, opts.input_range, opts.trace_limit = "0.5", 4, "16:128", 4
+        opts.rates, opts.num_prompts, opts.input_range, opts.trace_limit, opts.repeats = "0.5", 4, "16:128", 4, 2
         opts.kv_tokens, opts.batch, opts.overhead_rounds, opts.hop_requests, opts.hop_rounds = [256], 4, 1, 2, 1
     parts = {"serve": part_serve, "trace": part_trace, "kv-tail": part_kv_tail, "overhead": part_overhead,
              "hops": part_hops}
