@@ -61,17 +61,20 @@ def _prefilled(loaded, ids, request_id):
     return Sequence(request_id, len(ids), result.first_token, sampler), kv.__getitem__
 
 
-def _decode(loaded, prompts, join_after: dict[int, int] | None = None, attention_kernel: bool = True) -> list[list[int]]:
-    """Decode all prompts in one batch; prompt i joins after ``join_after[i]`` steps (default 0)."""
+def _decode(loaded, prompts, join_after: dict[int, int] | None = None, attention_kernel: bool = True,
+            batch=None) -> list[list[int]]:
+    """Decode all prompts in one batch (``batch``, or a dense one); prompt i joins after
+    ``join_after[i]`` steps (default 0)."""
     join_after = join_after or {}
-    batch = DecodeBatch(loaded, max_batch=8, attention_kernel=attention_kernel)
+    batch = DecodeBatch(loaded, max_batch=8, attention_kernel=attention_kernel) if batch is None else batch
+    add = getattr(batch, "add_from", batch.add)  # a paged batch: the KV copied into its pool's slots
     outputs: dict[int, list[int]] = {}
     waiting = list(range(len(prompts)))
     step = 0
     while waiting or len(batch):
         for i in [i for i in waiting if join_after.get(i, 0) <= step]:
             seq, layer_kv = _prefilled(loaded, prompts[i], str(i))
-            batch.add(seq, layer_kv)
+            add(seq, layer_kv)
             outputs[i] = [seq.next_token]
             waiting.remove(i)
         for seq, token in batch.step():
@@ -292,8 +295,7 @@ def test_decode_steps_run_wholly_in_c_equal_the_layer_by_layer_path(engine, serv
 
 
 def _decode_paged(loaded, prompts, join_after: dict[int, int], block_tokens: int, seed: int = 0) -> list[list[int]]:
-    """As ``_decode``, with each prompt's KV written into scattered slots of a pool first (as the
-    data plane lands it) and the batch attending from there."""
+    """As ``_decode``, each prompt's KV in scattered slots of a pool and the batch attending from there."""
     import random
 
     from pdflow.engine.paged import KvPool, PagedDecodeBatch
@@ -301,30 +303,9 @@ def _decode_paged(loaded, prompts, join_after: dict[int, int], block_tokens: int
 
     pool = KvPool(ArenaLayout(loaded.layout, block_tokens, 400))
     random.Random(seed).shuffle(pool._free)  # no sequence's blocks are consecutive slots
-    batch = PagedDecodeBatch(loaded, 8, pool)
-    outputs: dict[int, list[int]] = {}
-    waiting = list(range(len(prompts)))
-    step = 0
-    while waiting or len(batch):
-        for i in [i for i in waiting if join_after.get(i, 0) <= step]:
-            seq, layer_kv = _prefilled(loaded, prompts[i], str(i))
-            slots = pool.take(pool.slots_for(seq.length))
-            for layer in range(loaded.layout.num_layers):
-                for kind, kv in enumerate(layer_kv(layer)):  # (kv_heads, tokens, head_dim)
-                    for b, slot in enumerate(slots):
-                        part = kv[:, b * block_tokens : (b + 1) * block_tokens].transpose(0, 1)
-                        pool.blocks[layer, kind, slot, : part.shape[0]] = part
-            batch.add(seq, slots)
-            outputs[i] = [seq.next_token]
-            waiting.remove(i)
-        for seq, token in batch.step():
-            outputs[int(seq.request_id)].append(token)
-        for seq in list(batch.sequences):
-            if seq.generated >= NEW_TOKENS or seq.next_token in loaded.eos_token_ids:
-                batch.remove(seq)
-        step += 1
+    outputs = _decode(loaded, prompts, join_after, batch=PagedDecodeBatch(loaded, 8, pool))
     assert pool.free_slots == 400  # every slot came back
-    return [outputs[i] for i in range(len(prompts))]
+    return outputs
 
 
 @pytest.mark.parametrize("block_tokens", [16, 64])
@@ -344,17 +325,12 @@ def test_a_paged_batch_equals_the_dense_one_with_the_served_weights(engine, serv
     assert _decode_paged(loaded, prompts, {1: 3, 2: 5, 3: 9}, 16) == _decode(loaded, prompts, {1: 3, 2: 5, 3: 9})
     dense = DecodeBatch(loaded, 2)
     pool = KvPool(ArenaLayout(loaded.layout, 16, 50))
+    pool._free.reverse()  # the sequence's blocks in descending slots
     paged = PagedDecodeBatch(loaded, 2, pool)
     seq_d, kv = _prefilled(loaded, prompts[0], "d")
     seq_p, _ = _prefilled(loaded, prompts[0], "p")
-    slots = pool.take(pool.slots_for(seq_p.length))[::-1]
-    for layer in range(loaded.layout.num_layers):
-        for kind, part in enumerate(kv(layer)):
-            for b, slot in enumerate(slots):
-                piece = part[:, b * 16 : (b + 1) * 16].transpose(0, 1)
-                pool.blocks[layer, kind, slot, : piece.shape[0]] = piece
     dense.add(seq_d, kv)
-    paged.add(seq_p, slots)
+    paged.add_from(seq_p, kv)
     for _ in range(20):  # across block boundaries
         assert [t for _, t in dense.step()] == [t for _, t in paged.step()]
     # the prompt's KV (copied in) exactly; the steps' within float tolerance (the kernel's runs of

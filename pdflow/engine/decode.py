@@ -227,11 +227,13 @@ class DecodeBatch:
         if self._kernel_lib is None:
             cache = _BatchCache(self, rows, lengths, kv_len)
         logits = self.loaded.model(input_ids, lengths[:, None], mask, cache)
-        tokens = sample_batch(logits, [s.sampler for s in seqs])
-        out = []
-        for seq, token in zip(seqs, tokens):
-            seq.length += 1
-            seq.next_token = token
-            seq.generated += 1
-            out.append((seq, token))
-        return out
+        return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))
+
+
+def advance(seqs: list[Sequence], tokens: list[int]) -> list[tuple[Sequence, int]]:
+    """After a step: each sequence cached one more token and feeds its new one next."""
+    for seq, token in zip(seqs, tokens):
+        seq.length += 1
+        seq.next_token = token
+        seq.generated += 1
+    return list(zip(seqs, tokens))

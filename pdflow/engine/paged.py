@@ -20,7 +20,7 @@ import threading
 import torch
 
 from pdflow.engine import kernels
-from pdflow.engine.decode import Sequence
+from pdflow.engine.decode import Sequence, advance
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import sample_batch
 from pdflow.kv.arena import ArenaLayout, anonymous_memory
@@ -202,11 +202,4 @@ class PagedDecodeBatch:
         input_ids = torch.tensor([[s.next_token] for s in seqs])
         cache = _PagedCache(self.pool, positions, table, self._lib)
         logits = self.loaded.model(input_ids, positions[:, None], None, cache)
-        tokens = sample_batch(logits, [s.sampler for s in seqs])
-        out = []
-        for seq, token in zip(seqs, tokens):
-            seq.length += 1
-            seq.next_token = token
-            seq.generated += 1
-            out.append((seq, token))
-        return out
+        return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))

@@ -59,6 +59,7 @@ class _Entry:
     answer_landed: list[int] = field(default_factory=list)
     answer_done: asyncio.Future | None = None  # resolved once the answer's blocks are in (or not)
     tasks: set = field(default_factory=set)
+    decode_pool: ArenaLayout | None = None  # decode's pool, when its destination is one (checked once)
 
     @property
     def route(self):
@@ -181,10 +182,11 @@ class KvShuttleStage(Stage):
 
     def on_decode_destination(self, message: KvDestination) -> None:
         entry: _Entry = self.requests.get(message.request_id)
-        if message.slots:
-            self._decode_pool(entry, message)  # checked here, where a bad one fails the request
-        if not entry.decode_destination.done():
-            entry.decode_destination.set_result(message)
+        if entry.decode_destination.done():
+            return  # decode names one destination per request: a second one is ignored
+        if message.slots:  # checked here, once, where a bad one fails the request
+            entry.decode_pool = self._decode_pool(entry, message)
+        entry.decode_destination.set_result(message)
         if entry.lease is not None and entry.cached:  # else _plan sends it once planned
             self._prefix_to_decode(entry, message)
 
@@ -194,7 +196,7 @@ class KvShuttleStage(Stage):
         def chunks(layer: int, slots: list[int]):
             if destination.slots:  # straight into decode's pool blocks
                 return between_slots(rid, self.arena, self.memory, layer, (KEYS, VALUES), slots, 0, entry.cached,
-                                     self._decode_pool(entry, destination), destination.slots, region)
+                                     entry.decode_pool, destination.slots, region)
             return from_slots(rid, self.arena, self.memory, layer, slots, entry.cached, entry.num_tokens, region)
 
         self._spawn_for(entry, self._send_prefix(entry, self.to_decode, destination.address, chunks, "decode"))
@@ -230,9 +232,8 @@ class KvShuttleStage(Stage):
                 first, bt = slot_of(self.arena, header), self.arena.block_tokens
                 src = range(first, first + -(-header.token_end // bt) - header.token_start // bt)
                 for part, data in between_slots(rid, self.arena, self.memory, header.layer, (header.kind,), src,
-                                                header.token_start, header.token_end,
-                                                self._decode_pool(entry, destination), destination.slots,
-                                                destination.region):
+                                                header.token_start, header.token_end, entry.decode_pool,
+                                                destination.slots, destination.region):
                     await self.to_decode.write(destination.address, part, data)
                 return
             data = self.memory[header.offset : header.offset + header.nbytes]
