@@ -119,6 +119,9 @@ def test_killing_decode_mid_stream_migrates_the_request_and_its_stream_goes_on_w
     assert died and died[0]["stage"] == "decode-0" and died[0]["reason"] == "killed by SIGKILL"
     migrated = [e for e in events if e["event"] == "request.migrated"]
     assert len(migrated) == 1 and migrated[0]["request_id"] == stream_id(ids) and migrated[0]["generated"] > 0
+    deadline = time.monotonic() + 5  # /health shows ingress's counters as of its last heartbeat (<= ~1.5 s old)
+    while server.health()["stages"]["ingress-0"]["stats"]["migrations"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert server.health()["stages"]["ingress-0"]["stats"]["migrations"] == 1
     # the store let go of the killed request's blocks (and of the one after it)
     deadline = time.monotonic() + 10
