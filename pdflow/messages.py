@@ -14,9 +14,10 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+PROTOCOL_VERSION = 6  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
 # 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked);
-# 5: tokens straight to ingress, decode's KV destinations in pool slots
+# 5: tokens straight to ingress, decode's KV destinations in pool slots; 6: KV computed and attended in the
+# store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore)
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -71,9 +72,10 @@ class KvExpected(Message):
 
 
 class KvPlan(Message):
-    """kv-shuttle -> prefill: the first ``cached_tokens`` of the prompt are in the store (their KV
-    comes to the region prefill names in a :class:`PrefixDestination`); write the KV of the rest
-    into ``slots`` of the store's arena (``num_slots`` slots) in ``region`` at ``address``."""
+    """kv-shuttle -> prefill: the first ``cached_tokens`` of the prompt are in the store, in
+    ``prefix_slots`` (their KV comes to the region prefill names in a :class:`PrefixDestination`,
+    or prefill reads it there, where it maps the arena); write the KV of the rest into ``slots``
+    of the store's arena (``num_slots`` slots) in ``region`` at ``address``."""
 
     request_id: str
     address: str
@@ -81,6 +83,7 @@ class KvPlan(Message):
     num_slots: int
     cached_tokens: int
     slots: list[int]
+    prefix_slots: list[int] = []
 
 
 class PrefixDestination(Message):
@@ -131,6 +134,29 @@ class KvDestination(Message):
     nbytes: int
     slots: list[int] = []
     num_slots: int = 0
+
+
+class KvInPlace(Message):
+    """decode -> kv-shuttle: instead of a :class:`KvDestination`: decode maps the store's arena and
+    attends from the request's own blocks there; hold blocks for ``tokens`` tokens (its prompt
+    and every token it may generate) and say which, once the prompt's KV is all in."""
+
+    request_id: str
+    tokens: int
+
+
+class KvInStore(Message):
+    """kv-shuttle -> decode (which sent :class:`KvInPlace`): the prompt's KV is all in the arena
+    (``num_slots`` slots, ``region`` at ``address``); block *i* of the request is in ``slots[i]``,
+    up to the blocks for the tokens decode asked for, which decode writes into as it generates.
+    ``layer_in``: when each layer's KV was all in."""
+
+    request_id: str
+    address: str
+    region: int
+    num_slots: int
+    slots: list[int]
+    layer_in: list[float] = []
 
 
 class PrefillDone(Message):
@@ -315,6 +341,8 @@ ControlMessage = (
     | KvPlan
     | PrefixDestination
     | KvReturnSlots
+    | KvInPlace
+    | KvInStore
     | DecodeRequest
     | EgressRequest
     | KvDestination

@@ -242,6 +242,40 @@ def test_prefill_after_a_cached_prefix_gives_the_same_kv_and_output(engine, refe
     torch.testing.assert_close(exported_keys[5][: len(ids) - cached], tail_keys[5], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("prompt", [0, 3], ids=["few-rows", "many-rows"])
+def test_prefill_computing_into_scattered_blocks_gives_the_same_kv(engine, prompt):
+    """Prefill with ``targets`` (the KV store's blocks, as prefill over shm computes them): each
+    layer's keys and values land in the blocks named, bit for bit what a plain prefill hands out,
+    whether the rows go through pdflow's kernels (few) or PyTorch (many), in runs of slots that
+    are not consecutive."""
+    from pdflow.kv.arena import ArenaLayout, anonymous_memory, runs
+
+    loaded, prompts = engine
+    ids = prompts[prompt]
+    keys, values, first = _kv_of(loaded, ids)
+    bt = 8
+    arena = ArenaLayout(loaded.layout, bt, 64)
+    blocks = arena.view(torch.frombuffer(anonymous_memory(arena.nbytes), dtype=torch.uint8))
+    scattered = [7, 8, 3, 40, 41, 42, 9, 10, 11, 12, 13, 50, 30, 31]
+    slots = (scattered + [s for s in range(64) if s not in scattered])[: -(-len(ids) // bt)]
+    spans = [(r.token_start, r.token_end, r.slot, r.count) for r in runs(slots, 0, len(ids), bt)]
+    assert len(spans) > 2
+    kv = loaded.layout
+
+    def targets(layer):
+        return [(a, b, *(blocks[layer, kind, slot : slot + count].view(-1, kv.num_kv_heads, kv.head_dim)[: b - a]
+                         for kind in (0, 1))) for a, b, slot, count in spans]
+
+    handed = {}
+    result = prefill(loaded, ids, _greedy(), lambda layer, k, v: handed.__setitem__(layer, (k, v)), targets=targets)
+    assert result.first_token == first
+    for layer in range(loaded.num_layers):
+        for kind, expected in ((0, keys[layer]), (1, values[layer])):
+            stored = blocks[layer, kind, torch.tensor(slots)].reshape(-1, kv.num_kv_heads, kv.head_dim)[: len(ids)]
+            torch.testing.assert_close(stored, expected, rtol=0, atol=0)
+            torch.testing.assert_close(handed[layer][kind], expected, rtol=0, atol=0)
+
+
 def test_chunked_prefill_from_a_cached_prefix_equals_generate(engine, reference):
     from pdflow.engine.chunked import ChunkedPrefill
 

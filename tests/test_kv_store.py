@@ -195,6 +195,45 @@ def test_a_lease_of_a_dead_holder_expires() -> None:
     assert store.stats().blocks_used == 0 and store.stats().leases == 0
 
 
+def test_a_lease_grows_and_commits_what_its_holder_wrote_past_its_ids() -> None:
+    """decode attending in the store: the request's lease takes slots for the answer too, and the
+    answer's blocks are committed where decode wrote them."""
+    store = _store(8)
+    h = BlockHasher("m", "float32", BT)
+    tokens = list(range(4 * BT))
+    ids = h.ids(tokens)
+    lease = store.lease("r", ids[:1], extra_slots=1)  # a prompt of 1.5 blocks
+    assert store.extend("r", 2) == lease.slots[2:] and len(lease.slots) == 4
+    keys, values = _kv(4, seed=5)
+    store.write(lease.slots, 0, keys, values)
+    assert store.commit(lease, 0)
+    with pytest.raises(ValueError, match="do not extend"):
+        store.extend("r", ids=h.ids(list(range(100, 100 + 2 * BT))))
+    store.extend("r", ids=ids[:3])
+    assert store.commit(lease, 1) and store.commit(lease, 2)
+    store.release("r")
+    assert store.stats().blocks_used == 3 and store.lookup(ids) == 3
+    assert torch.equal(store.get(ids[:3])[1][0], values[0][: 3 * BT])
+    store.lease("s", [], extra_slots=4)
+    with pytest.raises(StoreFull):
+        store.extend("s", 5)  # 1 free and 3 to evict
+    assert len(store.get_lease("s").slots) == 4  # a lease that could not grow keeps what it had
+
+
+def test_slots_released_in_quarantine_come_back_only_after_it() -> None:
+    now = [0.0]
+    store = _store(4, clock=lambda: now[0])
+    store.lease("gone", [], extra_slots=3)
+    store.release("gone", quarantine_s=2.0)
+    stats = store.stats()
+    assert stats.leases == 0 and stats.blocks_quarantined == 3 and stats.blocks_used == 3
+    with pytest.raises(StoreFull):
+        store.lease("next", [], extra_slots=2)
+    now[0] = 2.0
+    assert len(store.lease("next", [], extra_slots=4).slots) == 4
+    assert store.stats().blocks_quarantined == 0
+
+
 def test_a_corrupt_block_is_dropped_with_its_children_and_counted() -> None:
     store = _store(8)
     h = BlockHasher("m", "float32", BT)

@@ -8,7 +8,7 @@ import pytest
 
 from pdflow.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Cancel, DecodeRequest, EgressRequest, Heartbeat, Hello,
-    KvChunkHeader, KvDestination, KvExpected, KvPlan, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
+    KvChunkHeader, KvDestination, KvExpected, KvPlan, KvInPlace, KvInStore, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
     PrefixDestination,
     ProtocolMismatch, ProtocolRefused, Ready, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
     StageStatus, StageUp, StopRequest, TextDelta, Tokens, check_hello, decoder, encoder,
@@ -27,7 +27,11 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
         PrefillRequest("req-2", list(range(500)), SAMPLING, ROUTE),
     ],
     KvExpected: [KvExpected("req-1", [1, 2, 3], ROUTE)],
-    KvPlan: [KvPlan("req-1", "tcp://127.0.0.1:5630", 0, 1456, 128, [2, 3, 4, 9])],
+    KvPlan: [KvPlan("req-1", "tcp://127.0.0.1:5630", 0, 1456, 128, [2, 3, 4, 9]),
+             KvPlan("req-2", "shm://@pdflow-1", 0, 1456, 128, [2, 3], prefix_slots=[0, 1])],
+    KvInPlace: [KvInPlace("req-1", 300)],
+    KvInStore: [KvInStore("req-1", "shm://@pdflow-1", 0, 1456, [0, 1, 5]),
+                KvInStore("req-2", "shm://@pdflow-1", 0, 1456, [7], layer_in=[1.5, 1.6])],
     PrefixDestination: [PrefixDestination("req-1", "tcp://127.0.0.1:5620", 3)],
     KvReturnSlots: [KvReturnSlots("req-1", "tcp://127.0.0.1:5630", 0, 1456, 192, [17, 18])],
     DecodeRequest: [

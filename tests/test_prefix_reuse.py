@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from pdflow.testing.server import PdflowServer
 from tests.conftest import shared_server
 
 pytestmark = pytest.mark.e2e
@@ -112,14 +113,21 @@ def reference(served_model):
     return _workload(_Engine(served_model))
 
 
-DEPLOYMENTS = {"disaggregated": "kv-shuttle-0", "colocated": "worker-0"}  # -> the stage holding the store
+# -> the stage holding the store; "zero-copy": disaggregated over shm, where prefill computes the KV
+# in the store's blocks and decode attends from them
+DEPLOYMENTS = {"disaggregated": "kv-shuttle-0", "colocated": "worker-0", "zero-copy": "kv-shuttle-0"}
 
 
 @pytest.fixture(scope="module", params=list(DEPLOYMENTS))
-def reusing(request):
+def reusing(request, tmp_path_factory):
+    if request.param == "zero-copy":
+        with PdflowServer(tmp_path_factory.mktemp("zero-copy"), transport="shm") as server:
+            server.store_stage, server.deployment = DEPLOYMENTS[request.param], request.param
+            yield server
+        return
     server = shared_server(request, request.param)
-    server.store_stage = DEPLOYMENTS[request.param]
-    return server
+    server.store_stage, server.deployment = DEPLOYMENTS[request.param], request.param
+    yield server
 
 
 def test_reuse_gives_the_same_answers_and_reports_cached_tokens(reusing, reference):
@@ -153,6 +161,20 @@ def test_sixteen_at_once_give_the_same_answers(reusing, reference):
     assert sum(cached for _, _, cached in answers) > 0
     stats = _settled_stats(reusing.url, reusing.store_stage)
     assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+
+
+def test_zero_copy_copies_no_kv_byte(reusing, reference):
+    """Over shm, prefill's writes find every byte already in the store's blocks, the store sends
+    decode (and prefill) nothing, and decode writes no answer back: it attends in the store."""
+    if reusing.deployment != "zero-copy":
+        pytest.skip("the zero-copy deployment only")
+    client = openai.OpenAI(base_url=f"{reusing.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    _chat(client, reference[0][0])
+    _settled_stats(reusing.url, reusing.store_stage)
+    prefill, shuttle, decode = (_store_stats(reusing.url, stage) for stage in ("prefill-0", "kv-shuttle-0", "decode-0"))
+    assert prefill["kv_copied_bytes"] == 0 and prefill["kv_in_place_bytes"] > 0, prefill
+    assert shuttle["kv_copied_bytes"] == shuttle["kv_in_place_bytes"] == 0, shuttle
+    assert decode["attends_in_store"] == 1 and decode["kv_copied_bytes"] == 0, decode
 
 
 def test_a_client_gone_mid_answer_leaves_no_lease(reusing):

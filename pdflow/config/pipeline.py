@@ -159,6 +159,10 @@ class KvConfig:
     ``decode_pool_bytes``: decode's own KV pool, in the same blocks (pages mapped as they fill),
     where the KV of the requests it decodes lands and stays; each request holds the blocks of its
     prompt and ``max_tokens`` from its arrival to its end, and waits while they are not free.
+    ``zero_copy``: where prefill and decode share memory with kv-shuttle (``shm`` links, one
+    kv-shuttle replica, decode attending with pdflow's kernel), prefill computes each layer's KV
+    straight into the store's blocks and decode attends from them (its pool is then the store);
+    false keeps the copies, to compare.
     """
 
     prefix_cache: bool = True
@@ -167,6 +171,7 @@ class KvConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     decode_pool_bytes: int = 4 << 30
+    zero_copy: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,6 +201,7 @@ def _kv(r: TableReader, t: dict[str, Any]) -> KvConfig:
         block_tokens=r.integer(t, "kv", "block_tokens", d.block_tokens, ge=1, le=8192),
         store_bytes=store_bytes, high_watermark=high, low_watermark=low,
         decode_pool_bytes=_size(r, t, "kv", "decode_pool_bytes", d.decode_pool_bytes),
+        zero_copy=r.boolean(t, "kv", "zero_copy", d.zero_copy),
     )
 
 

@@ -15,7 +15,10 @@ call into the kernels (``pdflow_decode_layers``).
 Keys come out of the rotary step token-major and contiguous, ``(batch, tokens, kv_heads,
 head_dim)``, and values as a token-major view into the fused projection's output; the tensors
 handed to the cache are head-major views of them, so a cache that wants token-major memory
-(prefill's layer streaming) gets the keys without a copy.
+(prefill's layer streaming) gets the keys without a copy. A prefill cache that says where each
+layer's KV belongs (``cache.targets(layer)``: runs of rows and their memory, blocks of the KV
+store's arena) gets its keys rotated straight into that memory and its values gathered there out
+of the fused projection, and attends from it.
 
 Numerics follow transformers' Llama: RMSNorm in fp32, rotary ``x * cos + rotate_half(x) * sin``
 from the same table, ``scaled_dot_product_attention`` with the key/value heads shared across
@@ -58,6 +61,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+# Where a prefill's KV goes, for a cache that has it computed in place (``cache.targets(layer)``):
+# rows ``a .. b`` of the tokens computed, and the (b - a, kv_heads, head_dim) contiguous memory
+# their keys and their values are written to (blocks of the KV store's arena).
+Target = tuple[int, int, torch.Tensor, torch.Tensor]
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` ``(..., head_dim)``, as transformers' ``apply_rotary_pos_emb``."""
     half = x.shape[-1] // 2
@@ -78,6 +87,18 @@ class TorchSteps:
         split = qkv.view(qkv.shape[0], heads + 2 * kv_heads, head_dim)
         cos, sin = cos[:, None], sin[:, None]
         return rotate(split[:, :heads], cos, sin), rotate(split[:, heads: heads + kv_heads], cos, sin)
+
+    def rope_into(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                  head_dim: int, runs: list[Target]) -> torch.Tensor:
+        """Rotated queries as :meth:`rope` returns them; each run's rotated keys and its values
+        written straight into the run's memory instead (see :data:`Target`)."""
+        split = qkv.view(qkv.shape[0], heads + 2 * kv_heads, head_dim)
+        half = head_dim // 2
+        for a, b, keys, values in runs:
+            x, c, s = split[a:b, heads: heads + kv_heads], cos[a:b, None], sin[a:b, None]
+            torch.add(x * c, torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s, out=keys)  # rotate()
+            values.copy_(split[a:b, heads + kv_heads:])
+        return rotate(split[:, :heads], cos[:, None], sin[:, None])
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -103,6 +124,17 @@ class FusedSteps(TorchSteps):
         self.lib.pdflow_rope(qkv.data_ptr(), rows, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                              q.data_ptr(), k.data_ptr())
         return q, k
+
+    def rope_into(self, qkv, cos, sin, heads, kv_heads, head_dim, runs):
+        rows, width, size = qkv.shape[0], (heads + 2 * kv_heads) * head_dim, qkv.element_size()
+        q = torch.empty(rows, heads, head_dim)
+        split = qkv.view(rows, heads + 2 * kv_heads, head_dim)
+        for a, b, keys, values in runs:
+            self.lib.pdflow_rope(qkv.data_ptr() + a * width * size, b - a, heads, kv_heads, head_dim,
+                                 cos.data_ptr() + a * head_dim * size, sin.data_ptr() + a * head_dim * size,
+                                 q.data_ptr() + a * heads * head_dim * size, keys.data_ptr())
+            values.copy_(split[a:b, heads + kv_heads:])
+        return q
 
     def silu_mul(self, gate_up):
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -216,10 +248,17 @@ class CompactLlama:
         cos, sin = self.cos[flat_positions], self.sin[flat_positions]
         causal = mask is None and tokens > 1
         attend = getattr(cache, "attend", None) if tokens == 1 else None  # a decode cache's own attention
+        targets = getattr(cache, "targets", None) if batch == 1 else None  # a prefill computing in place
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(steps.norm(hidden, layer.input_norm, self.eps))
-            q, k = steps.rope(qkv, cos, sin, heads, kv_heads, head_dim)
-            v = qkv.view(batch, tokens, heads + 2 * kv_heads, head_dim)[:, :, heads + kv_heads:].transpose(1, 2)
+            runs = targets(index) if targets is not None else None
+            if runs is None:
+                q, k = steps.rope(qkv, cos, sin, heads, kv_heads, head_dim)
+                v = qkv.view(batch, tokens, heads + 2 * kv_heads, head_dim)[:, :, heads + kv_heads:].transpose(1, 2)
+            else:
+                q = steps.rope_into(qkv, cos, sin, heads, kv_heads, head_dim, runs)
+                k, v = (runs[0][i] if len(runs) == 1 else torch.cat([run[i] for run in runs]) for i in (2, 3))
+                v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
             k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
             if attend is not None:
                 attn = attend(q.contiguous(), k, v, index, self.scaling).view(rows, heads * head_dim)

@@ -32,16 +32,18 @@ class PoolExhausted(RuntimeError):
 
 class KvPool:
     """Slots of KV in the store's block layout, over ``memory`` (flat bytes; fresh lazily mapped
-    memory if None: slots never touched cost nothing)."""
+    memory if None: slots never touched cost nothing). ``owns_slots=False``: the memory is the KV
+    store's arena, whose slots the store hands out (decode attending in the store): no free list."""
 
-    def __init__(self, arena: ArenaLayout, memory: memoryview | None = None):
+    def __init__(self, arena: ArenaLayout, memory: memoryview | None = None, owns_slots: bool = True):
         if arena.kv.dtype != "float32":
             raise ValueError(f"the paged decode batch attends with pdflow's float32 kernel, not {arena.kv.dtype}")
         self.arena = arena
         self.memory = memory if memory is not None else anonymous_memory(arena.nbytes)
         self.flat = torch.frombuffer(self.memory, dtype=torch.uint8, count=arena.nbytes)
         self.blocks = arena.view(self.flat)  # (layers, 2, slots, block_tokens, kv_heads, head_dim)
-        self._free = list(range(arena.num_slots - 1, -1, -1))  # pop() takes the lowest slot first
+        self.owns_slots = owns_slots
+        self._free = list(range(arena.num_slots - 1, -1, -1)) if owns_slots else []  # pop(): lowest first
         self._lock = threading.Lock()  # the stage's loop takes slots; its step thread gives them back
         layers = arena.kv.num_layers
         pointers = ctypes.c_void_p * layers
@@ -61,11 +63,15 @@ class KvPool:
 
     def take(self, count: int) -> list[int]:
         with self._lock:
+            if not self.owns_slots:
+                raise PoolExhausted(f"{count} KV blocks wanted from the store's arena, which decode does not allocate")
             if count > len(self._free):
                 raise PoolExhausted(f"{count} KV blocks wanted, {len(self._free)} free of {self.arena.num_slots}")
             return [self._free.pop() for _ in range(count)]
 
     def give(self, slots: list[int]) -> None:
+        if not self.owns_slots:
+            return  # the store's: it frees them when the request's lease ends
         with self._lock:
             self._free.extend(reversed(slots))
 
@@ -127,9 +133,9 @@ class PagedDecodeBatch:
     """A running batch whose KV stays in ``pool``'s blocks (see the module doc). The same
     interface as :class:`~pdflow.engine.decode.DecodeBatch`, except that ``add`` takes the slots
     holding the sequence's KV (the batch owns them from then on, and gives them back to the pool
-    on ``remove``)."""
+    on ``remove``). ``pool`` may be None, or replaced, while the batch is empty."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int, pool: KvPool):
+    def __init__(self, loaded: LoadedModel, max_batch: int, pool: KvPool | None):
         if not self.runs(loaded):
             raise ValueError("the paged decode batch needs the compact engine in float32 on the CPU with pdflow's "
                              "kernels")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdflow.engine.forward import causal_mask
+from pdflow.engine.llama import Target
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler
 from pdflow.kv.layout import torch_dtype
@@ -22,6 +23,9 @@ from pdflow.kv.layout import torch_dtype
 LayerSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 # layer -> the cached prefix's (keys, values) of that layer, token-major; may block until they are here
 PastSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# layer -> where that layer's keys and values are computed (runs of rows and their memory, see
+# pdflow.engine.llama.Target); may raise to stop the prefill (a cancelled request)
+TargetSource = Callable[[int], list[Target]]
 
 
 class LayerStreamingCache:
@@ -29,10 +33,13 @@ class LayerStreamingCache:
     final keys and values, which go straight to ``sink`` while layer *l* (and *l+1*, ...) go on
     computing; with ``past``, the layer then attends over the prefix's KV and its own. Values go
     out in the memory the projection wrote them to (token-major); keys, which rotary embedding
-    writes head-major, are transposed once."""
+    writes head-major, are transposed once. With ``targets`` the layers compute their keys and
+    values straight into the memory it names (the KV store's blocks), which ``sink`` then gets."""
 
-    def __init__(self, sink: LayerSink, past: PastSource | None = None):
+    def __init__(self, sink: LayerSink, past: PastSource | None = None, targets: TargetSource | None = None):
         self.sink, self.past = sink, past
+        if targets is not None:
+            self.targets = targets
         self.layer_done: list[float] = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_):
@@ -60,15 +67,16 @@ class PrefillResult:
 
 
 def prefill(loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler, sink: LayerSink,
-            past: PastSource | None = None, start: int = 0) -> PrefillResult:
+            past: PastSource | None = None, start: int = 0, targets: TargetSource | None = None) -> PrefillResult:
     """Run the prompt (after its first ``start`` tokens, whose KV ``past`` gives) through the
-    model (blocking; call it from a worker thread). ``sink`` gets the KV of tokens ``start ..``."""
+    model (blocking; call it from a worker thread). ``sink`` gets the KV of tokens ``start ..``,
+    computed where ``targets`` says if given (the compact engine only)."""
     started = time.monotonic()
     device = loaded.device
     input_ids = torch.tensor([prompt_ids[start:]], dtype=torch.long, device=device)
     position_ids = torch.arange(start, len(prompt_ids), device=device).unsqueeze(0)
     mask = causal_mask(start, len(prompt_ids), device, torch_dtype(loaded.layout.dtype))
-    cache = LayerStreamingCache(sink, past if start else None)
+    cache = LayerStreamingCache(sink, past if start else None, targets)
     logits = loaded.model(input_ids, position_ids, mask, cache)
     token = sampler.sample(logits[0])
     return PrefillResult(token, cache.layer_done, started, time.monotonic())

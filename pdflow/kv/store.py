@@ -11,7 +11,10 @@ Usable on its own::
 and, for a request that reads a prefix and writes the rest in place (what the kv-shuttle and the
 colocated worker do), :meth:`KvStore.lease`: it pins the cached prefix and hands out free slots
 for the blocks still to come; :meth:`KvStore.commit` indexes each one once its bytes are in,
-:meth:`KvStore.release` drops the pins (and frees what was never committed).
+:meth:`KvStore.release` drops the pins (and frees what was never committed). A holder that
+writes its slots from another process, which may still be writing when the lease ends unfinished
+(a cancelled request's prefill, or decode attending in the store's own blocks), releases with a
+quarantine: those slots are reused only after it.
 
 Rules:
 
@@ -100,6 +103,7 @@ class StoreStats:
     checksum_failures: int
     leases: int
     pinned_blocks: int
+    blocks_quarantined: int  # released by a holder that may still be writing them: free after a while
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -138,6 +142,7 @@ class KvStore:
         self._index: dict[BlockId, _Block] = {}
         self._evictable: list[tuple[int, BlockId]] = []  # heap of (tick, id); stale entries skipped
         self._leases: dict[Hashable, Lease] = {}
+        self._quarantined: list[tuple[float, int]] = []  # heap of (free from, slot)
         self._pinned = 0  # indexed blocks with pins > 0
         self._tick = 0
         self._counts = dict.fromkeys(
@@ -217,6 +222,21 @@ class KvStore:
         if lease is not None:
             lease.deadline = self.clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
 
+    def extend(self, owner: Hashable, extra_slots: int = 0, ids: Sequence[BlockId] | None = None) -> list[int]:
+        """Grow ``owner``'s lease: ``extra_slots`` more slots for it to write (appended to
+        ``slots``; StoreFull if they cannot be found), and/or longer ``ids`` (which must start with
+        the lease's own), so that blocks its holder wrote past them can be committed in place.
+        Returns the new slots."""
+        lease = self._leases[owner]
+        if ids is not None:
+            if list(ids[: len(lease.ids)]) != lease.ids:
+                raise ValueError("the new ids do not extend the lease's own")
+            lease.ids = list(ids)
+        fresh = self._take(extra_slots) if extra_slots else []
+        lease.slots += fresh
+        lease.private.update(fresh)
+        return fresh
+
     def commit(self, lease: Lease, index: int) -> bool:
         """Index block ``index`` of ``lease`` (its bytes are in ``lease.slots[index]``); the lease
         keeps it pinned. False when it was not indexed: its parent is gone, or the id is stored
@@ -240,24 +260,30 @@ class KvStore:
         self._counts["commits"] += 1
         return True
 
-    def release(self, owner: Hashable) -> bool:
-        """Drop ``owner``'s lease: unpin its blocks, free the slots it never committed."""
+    def release(self, owner: Hashable, quarantine_s: float = 0.0) -> bool:
+        """Drop ``owner``'s lease: unpin its blocks, free the slots it never committed (with
+        ``quarantine_s``: only that long from now, for a writer that may not have stopped yet)."""
         lease = self._leases.pop(owner, None)
         if lease is None:
             return False
         for block in lease.pinned:
             self._unpin(block)
+        until = self.clock() + quarantine_s
         for slot in lease.private:
-            heapq.heappush(self._free, slot)
+            if quarantine_s > 0:
+                heapq.heappush(self._quarantined, (until, slot))
+            else:
+                heapq.heappush(self._free, slot)
         lease.pinned, lease.private = [], set()
         return True
 
-    def expire(self) -> list[Hashable]:
-        """Release every lease past its deadline; their owners."""
+    def expire(self, quarantine_s: float = 0.0) -> list[Hashable]:
+        """Release every lease past its deadline (as :meth:`release`); their owners."""
         now = self.clock()
+        self._reclaim()
         gone = [owner for owner, lease in self._leases.items() if lease.deadline <= now]
         for owner in gone:
-            self.release(owner)
+            self.release(owner, quarantine_s)
         return gone
 
     # --- the plain API: whole blocks in and out -------------------------------------------------
@@ -331,6 +357,7 @@ class KvStore:
     # --- stats ---------------------------------------------------------------------------------
 
     def stats(self) -> StoreStats:
+        self._reclaim()
         total = self.layout.num_slots
         used = total - len(self._free)
         c = self._counts
@@ -340,7 +367,7 @@ class KvStore:
             block_tokens=self.block_tokens, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
             hit_blocks=c["hit_blocks"], hit_tokens=c["hit_blocks"] * self.block_tokens, commits=c["commits"],
             evictions=c["evictions"], checksum_failures=c["checksum_failures"], leases=len(self._leases),
-            pinned_blocks=self._pinned,
+            pinned_blocks=self._pinned, blocks_quarantined=len(self._quarantined),
         )
 
     # --- inside ----------------------------------------------------------------------------------
@@ -377,6 +404,7 @@ class KvStore:
     def _take(self, n: int) -> list[int]:
         """``n`` free slots (lowest first), evicting LRU blocks as needed, then down to the low
         watermark once above the high one."""
+        self._reclaim()
         if n > self.layout.num_slots:
             raise StoreFull(f"{n} blocks of {self.layout.block_bytes} bytes exceed the whole store "
                             f"({self.layout.num_slots} blocks)")
@@ -390,6 +418,12 @@ class KvStore:
             while self.layout.num_slots - len(self._free) > self.low and self._evict_one():
                 pass
         return slots
+
+    def _reclaim(self) -> None:
+        """Quarantined slots whose time is up are free again."""
+        now = self.clock()
+        while self._quarantined and self._quarantined[0][0] <= now:
+            heapq.heappush(self._free, heapq.heappop(self._quarantined)[1])
 
     def _evict_one(self) -> bool:
         while self._evictable:

@@ -144,6 +144,16 @@ class Stage:
         """Counters this stage reports with each heartbeat (shown by ``/health``)."""
         return {}
 
+    @staticmethod
+    def copy_stats(*senders) -> dict[str, int]:
+        """For :meth:`stats`: the KV bytes ``senders`` (data-plane transports) copied into their
+        peers' memory and the bytes they found already in place, where they count them (shm)."""
+        counts = [sender.copy_counts for sender in senders if sender.copy_counts is not None]
+        if not counts:
+            return {}
+        return {"kv_copied_bytes": sum(c["copied_bytes"] for c in counts),
+                "kv_in_place_bytes": sum(c["in_place_bytes"] for c in counts)}
+
     def on_cancel(self, request_id: str, state: Any, reason: str) -> Awaitable[None] | None:
         """Free what ``state`` holds; the request is already out of the table."""
         return None

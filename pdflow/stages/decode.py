@@ -4,7 +4,11 @@ Where pdflow's attention kernel runs (the compact engine in float32 on the CPU),
 one pool of blocks in the store's layout (``[kv] decode_pool_bytes``): each request is given the
 slots for its prompt and ``max_tokens`` when it arrives (it waits while they are not free), the
 data plane lands its KV straight in them, and the batch attends from them in place
-(:class:`~pdflow.engine.paged.PagedDecodeBatch`): joining and leaving copy nothing. Elsewhere each
+(:class:`~pdflow.engine.paged.PagedDecodeBatch`): joining and leaving copy nothing. On one host with
+shm (``kv.zero_copy``, one kv-shuttle replica) decode goes further and keeps no pool of its own: it
+maps the store's arena and attends from the request's blocks there (:class:`KvInPlace`, then
+:class:`KvInStore` once the prompt's KV is all in), writing the answer's KV into the blocks the
+store leased for it, where the store indexes it at the end. Elsewhere each
 request gets a buffer of its own, copied into a row of a dense batch when it joins.
 
 Requests join and leave the batch between steps (continuous batching). A request joins once
@@ -35,6 +39,8 @@ from pdflow.kv.chunks import into_slots, slot_of, tokens_of_run
 from pdflow.messages import (
     DecodeRequest,
     KvDestination,
+    KvInPlace,
+    KvInStore,
     KvReleased,
     KvReturnSlots,
     PrefillDone,
@@ -61,6 +67,7 @@ class _Incoming:
     layer_in: list[float]
     done: PrefillDone | None = None
     slots: list[int] | None = None  # in the pool: its blocks, until the batch owns them
+    pool: KvPool | None = None  # attending in the store: the store's arena, where its slots are
     created: float = field(default_factory=time.monotonic)
     answer: tuple[int, asyncio.Future] | None = None  # (first token, its KV from the batch) once finished
 
@@ -89,7 +96,13 @@ class DecodeStage(Stage):
         self.to_shuttle = self.kv_sender("destination")
         self.block_tokens = topo.kv.block_tokens if topo.kv.prefix_cache else 0
         self.pool: KvPool | None = None
-        if PagedDecodeBatch.runs(self.model):
+        self.store_pool: KvPool | None = None  # attending in the store: its arena, once mapped
+        shuttle = self.output("destination")
+        self.in_place = (topo.kv.zero_copy and PagedDecodeBatch.runs(self.model) and self.to_shuttle.shares_memory
+                         and topo.stages[shuttle].replicas == 1)
+        if self.in_place:
+            self.batch = PagedDecodeBatch(self.model, self.limits.max_batch, None)  # the pool comes with the KV
+        elif PagedDecodeBatch.runs(self.model):
             arena = ArenaLayout.for_capacity(self.model.layout, topo.kv.block_tokens, topo.kv.decode_pool_bytes)
             self.pool = KvPool(arena, self.from_shuttle.allocate(POOL, arena.nbytes))  # with shm: a shared segment
             self.pool_address = self.from_shuttle.address_for(POOL)
@@ -116,18 +129,27 @@ class DecodeStage(Stage):
             DecodeRequest: self.on_request,
             PrefillDone: self.on_prefill_done,
             KvReturnSlots: self.on_return_slots,
+            KvInStore: self.on_in_store,
             StopRequest: lambda m: self.cancel(m.request_id, "stop string matched"),
         }
 
     def stats(self) -> dict[str, int]:
+        sent = self.copy_stats(self.to_shuttle)
         if self.pool is None:
-            return {}
-        return {"pool_blocks": self.pool.arena.num_slots, "pool_free_blocks": self.pool.free_slots,
+            return {**sent, "attends_in_store": int(self.in_place)}
+        return {**sent, "pool_blocks": self.pool.arena.num_slots, "pool_free_blocks": self.pool.free_slots,
                 "awaiting_pool_blocks": len(self.awaiting_slots)}
 
     # --- KV arrival -------------------------------------------------------------------------
 
     async def on_request(self, message: DecodeRequest) -> None:
+        if self.in_place:
+            layout = self.model.layout
+            entry = _Incoming(message, None, POOL, 2 * layout.num_layers * message.prompt_len, [0.0] * layout.num_layers)
+            self.requests.open(message.request_id, entry)
+            tokens = min(message.prompt_len + message.sampling.max_tokens, self.model.max_context)
+            await self.send_output("destination", message.route, KvInPlace(message.request_id, tokens))
+            return
         if self.pool is not None:
             await self._request_into_pool(message)
             return
@@ -143,10 +165,37 @@ class DecodeStage(Stage):
         destination = KvDestination(message.request_id, self.from_shuttle.address_for(region), region, nbytes)
         await self.send_output("destination", message.route, destination)
 
-    def _blocks_for(self, request: DecodeRequest) -> int:
+    def _blocks_for(self, request: DecodeRequest, pool: KvPool | None = None) -> int:
         """Pool blocks the request holds: its prompt and every token it may generate."""
         tokens = min(request.prompt_len + request.sampling.max_tokens, self.model.max_context)
-        return self.pool.slots_for(max(tokens, request.prompt_len))
+        return (pool or self.pool).slots_for(max(tokens, request.prompt_len))
+
+    async def on_in_store(self, message: KvInStore) -> None:
+        """The request's KV is all in the store's blocks: attend from them there."""
+        entry: _Incoming = self.requests.get(message.request_id)
+        if not self.in_place or entry.pool is not None:
+            return  # not asked for, or said already
+        rid, layout = message.request_id, self.model.layout
+        try:
+            memory = await self.to_shuttle.peer_memory(message.address, message.region)
+        except transports.TransportError as exc:
+            memory, error = None, f"mapping the KV store's memory failed: {exc!r}"
+        else:
+            error = "the KV store's memory cannot be mapped here"
+        arena = ArenaLayout(layout, self.pipeline.kv.block_tokens, message.num_slots)
+        if memory is not None and memory.nbytes >= arena.nbytes:
+            pool = self.store_pool
+            if pool is None or pool.memory is not memory or pool.arena != arena:
+                pool = self.store_pool = KvPool(arena, memory, owns_slots=False)
+            need = self._blocks_for(entry.request, pool)
+            if len(message.slots) >= need and all(0 <= slot < arena.num_slots for slot in message.slots):
+                if self.requests.get(rid) is entry:  # (not cancelled while mapping)
+                    entry.pool, entry.slots, entry.tokens_left = pool, list(message.slots[:need]), 0
+                    entry.layer_in = list(message.layer_in[: layout.num_layers]) or entry.layer_in
+                    self._maybe_complete(entry)
+                return
+            error = f"the KV store named {len(message.slots)} blocks for a request that needs {need}"
+        await self.fail(rid, error, entry.request.route, transient=True)
 
     async def _request_into_pool(self, message: DecodeRequest) -> None:
         layout = self.model.layout
@@ -304,7 +353,14 @@ class DecodeStage(Stage):
                 self.wake.clear()
                 await self.wake.wait()
             room = self.limits.max_batch - len(self.running) + len(self.to_remove)
-            joining, self.waiting = self.waiting[:room], self.waiting[room:]
+            if self.in_place:  # one batch attends in one arena: a new one (kv-shuttle restarted) once it is empty
+                if not self.running and self.waiting and self.waiting[0].pool is not self.batch.pool:
+                    self.batch.pool = self.waiting[0].pool
+                fits = [entry for entry in self.waiting if entry.pool is self.batch.pool]
+                joining = fits[:room]
+                self.waiting = [entry for entry in self.waiting if entry not in joining]
+            else:
+                joining, self.waiting = self.waiting[:room], self.waiting[room:]
             admit = []
             for entry in joining:  # its slots are the batch's from here (a cancel meanwhile leaves them)
                 admit.append((entry, entry.slots))
@@ -352,8 +408,8 @@ class DecodeStage(Stage):
         output_ids = seq.extra["tokens"][:-1]  # the last token was never fed back: it has no KV
         n = entry.request.prompt_len
         blocks = answer_blocks(n, n + len(output_ids), self.block_tokens) if self.block_tokens else range(0)
-        if not blocks:
-            self._end(entry)
+        if not blocks or self.in_place:  # (in place: the store indexes the answer where it is)
+            self._end(entry, output_ids)
             return
         bt = self.block_tokens
         seq.extra["answer"] = (blocks.start * bt, blocks.stop * bt)

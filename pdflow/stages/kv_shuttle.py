@@ -13,12 +13,22 @@ plane once (region 0), so chunks land straight in their slots. For each request:
 4. ``KvReleased`` (decode, at the request's end): the answer's KV that completes new blocks comes
    back (``KvReturnSlots``, then decode's chunks), is committed, and the leases are dropped.
 
-A cancel, a failure or a lease deadline (a holder that died) drops the leases too.
+Decode on the same host (shm, ``kv.zero_copy``) sends ``KvInPlace`` instead of a destination: it
+maps the arena and attends from the request's own blocks. Nothing is forwarded then: the lease
+grows by the blocks of the tokens decode may generate, decode hears where the blocks are once the
+prompt's KV is all in (``KvInStore``), and at the end the answer's blocks are committed where
+decode wrote them. With prefill computing into the arena too, no KV byte is copied between
+prefill's forward pass and decode's attention.
+
+A cancel, a failure or a lease deadline (a holder that died) drops the leases too; the slots the
+request was writing are then reused only after a quarantine (``_LATE_WRITES_S``), since a chunk on
+its way, a forward pass or a decode step computing in place may still write into them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,13 +37,15 @@ from transformers import AutoConfig
 from pdflow import transports
 from pdflow.kv.arena import ArenaLayout
 from pdflow.kv.blocks import BlockHasher, answer_blocks, reusable_blocks
-from pdflow.kv.chunks import between_slots, from_slots, slot_of
+from pdflow.kv.chunks import between_slots, from_slots, slot_of, tokens_of_run
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
 from pdflow.kv.store import KvStore, Lease, StoreFull
 from pdflow.messages import (
     KvChunkHeader,
     KvDestination,
     KvExpected,
+    KvInPlace,
+    KvInStore,
     KvPlan,
     KvReleased,
     KvReturnSlots,
@@ -45,6 +57,7 @@ ARENA = 0  # the region the arena is registered as
 _EXPIRY_INTERVAL_S = 1.0
 _ANSWER_TTL_S = 60.0  # how long decode gets to write an answer's blocks
 _ARRIVING_WAIT_S = 2.0  # how long a request waits for an answer's blocks already on their way
+_LATE_WRITES_S = 3.0  # the slots of a request that ended unfinished are reused only after this long
 
 
 @dataclass(slots=True, eq=False)
@@ -60,6 +73,9 @@ class _Entry:
     answer_done: asyncio.Future | None = None  # resolved once the answer's blocks are in (or not)
     tasks: set = field(default_factory=set)
     decode_pool: ArenaLayout | None = None  # decode's pool, when its destination is one (checked once)
+    layer_left: list[int] = field(default_factory=list)  # per layer: tokens still to land (keys and values)
+    layer_in: list[float] = field(default_factory=list)  # per layer: when it was all in
+    in_store: bool = False  # decode attends from the request's blocks here (KvInStore sent)
 
     @property
     def route(self):
@@ -112,11 +128,12 @@ class KvShuttleStage(Stage):
     def handlers(self):
         return {
             KvExpected: self.on_expected, PrefixDestination: self.on_prefix_destination,
-            KvDestination: self.on_decode_destination, KvReleased: self.on_released,
+            KvDestination: self.on_decode_destination, KvInPlace: self.on_decode_destination,
+            KvReleased: self.on_released,
         }
 
     def stats(self) -> dict[str, int]:
-        return self.store.stats().as_dict()
+        return {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill)}
 
     # --- a request arrives: lease its blocks, tell prefill what to compute --------------------
 
@@ -153,7 +170,10 @@ class KvShuttleStage(Stage):
             return
         entry.lease, entry.cached, entry.next_commit = lease, lease.hit * bt, lease.hit
         entry.landed = [0] * (total - lease.hit)
-        plan = KvPlan(rid, self.address, ARENA, self.arena.num_slots, entry.cached, lease.slots[lease.hit :])
+        entry.layer_left = [2 * (n - entry.cached)] * self.kv.num_layers
+        entry.layer_in = [0.0] * self.kv.num_layers
+        plan = KvPlan(rid, self.address, ARENA, self.arena.num_slots, entry.cached, lease.slots[lease.hit :],
+                      lease.slots[: lease.hit])
         await self.send_output("destination", message.route, plan)
         destination = entry.decode_destination
         if entry.cached and destination.done() and not destination.cancelled():
@@ -180,17 +200,39 @@ class KvShuttleStage(Stage):
                              f"{len(message.slots)} slots of {message.num_slots}, {message.nbytes} bytes")
         return pool
 
-    def on_decode_destination(self, message: KvDestination) -> None:
+    def on_decode_destination(self, message: KvDestination | KvInPlace) -> None:
         entry: _Entry = self.requests.get(message.request_id)
         if entry.decode_destination.done():
             return  # decode names one destination per request: a second one is ignored
-        if message.slots:  # checked here, once, where a bad one fails the request
+        if isinstance(message, KvDestination) and message.slots:  # checked once, where a bad one fails it
             entry.decode_pool = self._decode_pool(entry, message)
         entry.decode_destination.set_result(message)
         if entry.lease is not None and entry.cached:  # else _plan sends it once planned
             self._prefix_to_decode(entry, message)
+        self._maybe_in_store(entry)
 
-    def _prefix_to_decode(self, entry: _Entry, destination: KvDestination) -> None:
+    def _maybe_in_store(self, entry: _Entry) -> None:
+        """Decode attends from the request's blocks here: once the prompt's KV is all in, grow the
+        lease by the blocks decode will write and tell it where they all are."""
+        destination = entry.decode_destination
+        if entry.in_store or entry.lease is None or any(entry.layer_left) or not destination.done() \
+                or destination.cancelled() or not isinstance(destination.result(), KvInPlace):
+            return
+        rid, bt = entry.request.request_id, self.arena.block_tokens
+        entry.in_store = True
+        wanted = -(-max(destination.result().tokens, entry.num_tokens) // bt)
+        try:
+            self.store.extend(rid, max(0, wanted - len(entry.lease.slots)))
+        except StoreFull as exc:
+            self.spawn(self.fail(rid, f"the KV store cannot hold the blocks this request may generate into "
+                                      f"(kv.store_bytes): {exc}", entry.route))
+            return
+        reply = KvInStore(rid, self.address, ARENA, self.arena.num_slots, entry.lease.slots[:wanted], entry.layer_in)
+        self.spawn(self.send_output("kv", entry.route, reply))
+
+    def _prefix_to_decode(self, entry: _Entry, destination: KvDestination | KvInPlace) -> None:
+        if isinstance(destination, KvInPlace):
+            return  # decode reads the prefix where it is
         rid, region = entry.request.request_id, destination.region
 
         def chunks(layer: int, slots: list[int]):
@@ -228,6 +270,8 @@ class KvShuttleStage(Stage):
         rid = entry.request.request_id
         try:
             destination = await asyncio.wait_for(asyncio.shield(entry.decode_destination), self.limits.request_timeout_s)
+            if isinstance(destination, KvInPlace):
+                return  # decode reads it where it landed
             if destination.slots:
                 first, bt = slot_of(self.arena, header), self.arena.block_tokens
                 src = range(first, first + -(-header.token_end // bt) - header.token_start // bt)
@@ -269,6 +313,11 @@ class KvShuttleStage(Stage):
 
     def _prompt_landed(self, entry: _Entry, header: KvChunkHeader) -> None:
         """Count the chunk's blocks; commit each full block once all its layers are in, in order."""
+        if 0 <= header.layer < len(entry.layer_left) and entry.layer_left[header.layer] > 0:
+            entry.layer_left[header.layer] -= tokens_of_run(header)
+            if entry.layer_left[header.layer] <= 0:
+                entry.layer_in[header.layer] = time.monotonic()
+                self._maybe_in_store(entry)
         usable = entry.cached // self.arena.block_tokens
         for i in self._blocks_of(header, usable):
             if 0 <= i < len(entry.landed):
@@ -288,9 +337,16 @@ class KvShuttleStage(Stage):
         entry: _Entry = self.requests.get(rid)
         bt, n = self.arena.block_tokens, entry.num_tokens
         blocks = answer_blocks(n, n + len(message.output_ids), bt)
+        # no output: it ended unfinished (cancelled, failed), and a writer may not have stopped yet
+        unfinished = not message.output_ids
+        if entry.in_store:  # decode wrote the answer's KV into the request's own blocks here
+            if self.reuse and blocks and not unfinished:
+                self._commit_in_place(entry, message.output_ids, blocks)
+            self._end(rid, unfinished)
+            return
         # (a second KvReleased, after an answer was offered: decode gave it up)
         if not (self.reuse and message.output_ids and blocks and entry.lease is not None and entry.answer is None):
-            self._end(rid)
+            self._end(rid, unfinished)
             return
         ids = self.hasher.ids(entry.request.prompt_ids + message.output_ids)[: blocks.stop]
         try:
@@ -312,6 +368,14 @@ class KvShuttleStage(Stage):
         if not answer.new_slots:
             self._end(rid)
 
+    def _commit_in_place(self, entry: _Entry, output_ids: list[int], blocks: range) -> None:
+        """Index the answer's blocks where decode wrote them (the request's lease holds them)."""
+        lease = entry.lease
+        ids = self.hasher.ids(entry.request.prompt_ids + output_ids)[: blocks.stop]
+        self.store.extend(entry.request.request_id, ids=ids)
+        for i in range(blocks.start, min(blocks.stop, len(lease.slots))):
+            self.store.commit(lease, i)  # (False: stored already, or its parent is gone)
+
     def _answer_landed(self, entry: _Entry, header: KvChunkHeader) -> None:
         answer = entry.answer
         for i in self._blocks_of(header, answer.hit):
@@ -322,18 +386,19 @@ class KvShuttleStage(Stage):
                 self.store.commit(answer, i)
             self._end(entry.request.request_id)
 
-    def _end(self, request_id: str) -> None:
+    def _end(self, request_id: str, unfinished: bool = False) -> None:
         entry = self.finish(request_id)
         if entry is not None:
-            self._free(entry)
+            self._free(entry, unfinished)
 
     def on_cancel(self, request_id: str, entry: _Entry, reason: str) -> None:
-        self._free(entry)
+        self._free(entry, unfinished=True)
 
-    def _free(self, entry: _Entry) -> None:
+    def _free(self, entry: _Entry, unfinished: bool) -> None:
         rid = entry.request.request_id
-        self.store.release(rid)
-        self.store.release((rid, "answer"))
+        quarantine = _LATE_WRITES_S if unfinished else 0.0
+        self.store.release(rid, quarantine)
+        self.store.release((rid, "answer"), quarantine)
         if entry.answer_done is not None:  # committed or given up: whoever waits for it goes on
             for block_id in entry.answer.ids[entry.answer.hit :]:
                 if self.arriving.get(block_id) is entry.answer_done:
@@ -347,7 +412,7 @@ class KvShuttleStage(Stage):
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(_EXPIRY_INTERVAL_S)
-            for owner in self.store.expire():
+            for owner in self.store.expire(quarantine_s=_LATE_WRITES_S):
                 rid = owner[0] if isinstance(owner, tuple) else owner
                 self.log.warning("store.lease_expired", request_id=rid)
-                self._end(rid)
+                self._end(rid, unfinished=True)

@@ -7,6 +7,13 @@ layer's new keys and values are queued to the event loop, which writes them stra
 blocks in the store's arena over the data plane while the next layers compute. The first token
 goes to output ``tokens`` (ingress, or an egress stage); output ``done`` (decode) learns it from :class:`PrefillDone`
 — unless the request ended here meanwhile (cancelled), then nothing more is sent for it.
+
+Where the data plane shares memory with kv-shuttle (shm: :meth:`Transport.peer_memory`) and
+``kv.zero_copy`` is on, the arena is mapped here: each layer's keys and values are computed
+straight into their blocks (the compact engine's rotary step writes the keys there, the values
+are gathered there out of the fused projection), a cached prefix is read where it is, and the
+writes that follow only ring the doorbell: no KV byte is copied between the forward pass and the
+store. A cancelled request's forward pass stops at its next layer.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import torch
 
 from pdflow import transports
 from pdflow.engine import Sampler, load_model, prefill
+from pdflow.engine.llama import CompactLlama
 from pdflow.engine.stopping import finish_reason
-from pdflow.kv.arena import ArenaLayout
-from pdflow.kv.chunks import into_slots, tokens_of_run
-from pdflow.kv.layout import torch_dtype
+from pdflow.kv.arena import ArenaLayout, runs
+from pdflow.kv.chunks import between_slots, into_slots, tokens_of_run
+from pdflow.kv.layout import KEYS, VALUES, torch_dtype
 from pdflow.messages import KvPlan, PrefillDone, PrefillRequest, PrefixDestination, Tokens
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.stages.engine_thread import engine_thread, run_in
@@ -43,6 +51,16 @@ class _Prefix:
     left: list[int]  # per layer: tokens (keys and values counted apart) still to land
     ready: list[threading.Event]
     error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _InArena:
+    """The store's arena, mapped here: ``memory`` (its bytes) and ``blocks`` (the same memory as
+    ``(layers, 2, slots, block_tokens, kv_heads, head_dim)``)."""
+
+    layout: ArenaLayout
+    memory: memoryview
+    blocks: torch.Tensor
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +93,9 @@ class PrefillStage(Stage):
         self.model = await run_in(self.executor, load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
                                   topo.model.weights)
         self.to_shuttle = self.kv_sender("kv")
+        # KV computed in the store's blocks needs the compact engine's forward on the CPU
+        self.in_place = topo.kv.zero_copy and isinstance(self.model.model, CompactLlama) and \
+            torch.device(self.model.device).type == "cpu"
         self.from_shuttle = self.kv_receiver("kv")
         await self.from_shuttle.start()
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
@@ -90,6 +111,9 @@ class PrefillStage(Stage):
 
     def handlers(self):
         return {PrefillRequest: self.on_request, KvPlan: self.on_plan}
+
+    def stats(self) -> dict[str, int]:
+        return self.copy_stats(self.to_shuttle)
 
     def on_request(self, message: PrefillRequest) -> None:
         job = _Job(message, asyncio.get_running_loop().create_future())
@@ -175,6 +199,54 @@ class PrefillStage(Stage):
 
         return past
 
+    # --- computing in the store's own blocks ----------------------------------------------------
+
+    async def _arena(self, job: _Job, plan: KvPlan) -> _InArena | None:
+        """The store's arena mapped here, where prefill computes in place (see the module doc);
+        None where it does not (the KV is then written with a copy)."""
+        bt = self.pipeline.kv.block_tokens
+        if not self.in_place or len(plan.prefix_slots) * bt != plan.cached_tokens:
+            return None
+        try:
+            memory = await self.to_shuttle.peer_memory(plan.address, plan.region)
+        except transports.TransportError as exc:
+            self.log.warning("kv.arena.unmapped", request_id=job.request.request_id, error=repr(exc))
+            return None  # the writes will say what is wrong
+        layout = ArenaLayout(self.model.layout, bt, plan.num_slots)
+        if memory is None or memory.nbytes < layout.nbytes:
+            return None
+        return _InArena(layout, memory, layout.view(torch.frombuffer(memory, dtype=torch.uint8, count=layout.nbytes)))
+
+    def _targets(self, job: _Job, plan: KvPlan, arena: _InArena):
+        """What the forward thread calls for layer *l*: where its keys and values go (the
+        request's new blocks in the arena); raises once the request is cancelled."""
+        kv, n, first = arena.layout.kv, len(job.request.prompt_ids), plan.cached_tokens
+        spans = [(run.token_start - first, run.token_end - first, run.slot, run.count)
+                 for run in runs(plan.slots, first, n, arena.layout.block_tokens)]
+
+        def targets(layer: int):
+            if job.cancelled:
+                raise PrefixUnavailable("the request was cancelled")
+            out = []
+            for a, b, slot, count in spans:
+                keys, values = (arena.blocks[layer, kind, slot : slot + count].view(-1, kv.num_kv_heads, kv.head_dim)
+                                [: b - a] for kind in (KEYS, VALUES))
+                out.append((a, b, keys, values))
+            return out
+
+        return targets
+
+    def _past_in_arena(self, plan: KvPlan, arena: _InArena):
+        """Layer *l*'s cached prefix, read where it is in the arena (the lease pins it)."""
+        kv, index = arena.layout.kv, torch.tensor(plan.prefix_slots)
+
+        def past(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = (arena.blocks[layer, kind].index_select(0, index).view(-1, kv.num_kv_heads, kv.head_dim)
+                            [: plan.cached_tokens] for kind in (KEYS, VALUES))
+            return keys, values
+
+        return past
+
     def _drop_prefix(self, job: _Job) -> None:
         """Stop receiving into the prefix's buffer (once no forward thread reads it)."""
         prefix = job.prefix
@@ -196,8 +268,13 @@ class PrefillStage(Stage):
             return  # cancelled
         except asyncio.TimeoutError:
             raise PrefixUnavailable(f"kv-shuttle gave no plan within {timeout} s") from None
-        past = None
-        if plan.cached_tokens:
+        arena = await self._arena(job, plan)
+        past = targets = None
+        if arena is not None:
+            targets = self._targets(job, plan, arena)
+            if plan.cached_tokens:
+                past = self._past_in_arena(plan, arena)
+        elif plan.cached_tokens:
             past = self._past(job, await self._receive_prefix(job, plan))
         layers: asyncio.Queue = asyncio.Queue()
 
@@ -205,11 +282,11 @@ class PrefillStage(Stage):
             loop.call_soon_threadsafe(layers.put_nowait, (layer, keys, values))
 
         computed = asyncio.Event()
-        sender = asyncio.ensure_future(self._send_layers(job, plan, layers, computed))
+        sender = asyncio.ensure_future(self._send_layers(job, plan, layers, computed, arena))
         sampler = Sampler(request.sampling)
         try:
             result = await loop.run_in_executor(self.executor, prefill, self.model, request.prompt_ids, sampler,
-                                                sink, past, plan.cached_tokens)
+                                                sink, past, plan.cached_tokens, targets)
         except BaseException:
             sender.cancel()
             raise
@@ -234,13 +311,15 @@ class PrefillStage(Stage):
         timeline = {**compute, "prefill.send_start": [job.send_start or result.started], "prefill.layer_sent": sent}
         await self.send_output("done", request.route, PrefillDone(request.request_id, token, reason is not None, timeline))
 
-    async def _send_layers(self, job: _Job, plan: KvPlan, layers: asyncio.Queue,
-                           computed: asyncio.Event) -> list[float] | None:
+    async def _send_layers(self, job: _Job, plan: KvPlan, layers: asyncio.Queue, computed: asyncio.Event,
+                           in_arena: _InArena | None) -> list[float] | None:
         """Write each layer's new keys and values into their blocks in the store's arena as they
-        come (with ``kv_streaming = "request"``: only once the whole prefill is computed)."""
+        come (with ``kv_streaming = "request"``: only once the whole prefill is computed); where
+        they were computed in those blocks, the writes copy nothing and only say so."""
         rid = job.request.request_id
         layout = self.model.layout
         arena = ArenaLayout(layout, self.pipeline.kv.block_tokens, plan.num_slots)
+        n, table = len(job.request.prompt_ids), plan.prefix_slots + plan.slots
         sent: list[float] = []
         try:
             if self.pipeline.engine.kv_streaming == "request":
@@ -250,10 +329,14 @@ class PrefillStage(Stage):
                 layer, keys, values = await layers.get()
                 if job.cancelled:
                     return None
-                if keys.device.type != "cpu":
-                    keys, values = keys.cpu(), values.cpu()
-                for header, data in into_slots(rid, arena, plan.region, layer, keys, values, plan.slots,
-                                               plan.cached_tokens):
+                if in_arena is not None:  # from where they are: the writes copy nothing
+                    chunks = between_slots(rid, arena, in_arena.memory, layer, (KEYS, VALUES), plan.slots,
+                                           plan.cached_tokens, n, arena, table, plan.region)
+                else:
+                    if keys.device.type != "cpu":
+                        keys, values = keys.cpu(), values.cpu()
+                    chunks = into_slots(rid, arena, plan.region, layer, keys, values, plan.slots, plan.cached_tokens)
+                for header, data in chunks:
                     await self.to_shuttle.write(plan.address, header, data)
                 sent.append(time.monotonic())
             return sent

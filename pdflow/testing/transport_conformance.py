@@ -473,6 +473,31 @@ async def check_reconnect(h: Harness) -> None:
             await _notice_ok(again, chunk)
 
 
+async def check_peer_memory(h: Harness) -> None:
+    """``peer_memory`` is None, or the receiver's region mapped here: what the sender writes into
+    it is in the region, a write from that very memory lands with its notice (checksum verified)
+    and leaves the bytes as they were, and a region the sender cannot map gives None."""
+    async with h.make() as receiver, h.make() as sender:
+        landing = receiver.allocate(1, 1 << 20)
+        view = await _wait(sender.peer_memory(receiver.address_for(1), 1))
+        if view is None:
+            raise Unsupported(f"{sender.name} shares no memory with its peers")
+        assert view.nbytes >= 1 << 20 and not view.readonly
+        data = _rng.randbytes(4096)
+        view[8192 : 8192 + 4096] = data
+        assert bytes(landing[8192 : 8192 + 4096]) == data, "bytes written into the mapping are not in the region"
+        chunk = header(1, 8192, data)
+        await _wait(sender.write(receiver.address_for(1), chunk, view[8192 : 8192 + 4096]))
+        await _notice_ok(receiver, chunk)
+        assert bytes(landing[8192 : 8192 + 4096]) == data
+        bad = header(1, 0, view[:64], bad_checksum=True)  # in place, but not what the header says
+        await _wait(sender.write(receiver.address_for(1), bad, view[:64]))
+        notice = await _wait(receiver.next_notice())
+        assert isinstance(notice.error, ChecksumMismatch), notice.error
+        receiver.register(2, bytearray(64))  # the receiver's private memory
+        assert await _wait(sender.peer_memory(receiver.address_for(2), 2)) is None
+
+
 CHECKS = (
     check_sizes,
     check_buffers,
@@ -484,6 +509,7 @@ CHECKS = (
     check_receiver_dies,
     check_sender_dies,
     check_reconnect,
+    check_peer_memory,
 )
 
 

@@ -21,6 +21,7 @@ chunk's span from ``self._regions.landing`` and report it with ``_arrived``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import time
 from abc import ABC, abstractmethod
@@ -56,6 +57,8 @@ class Transport(ABC):
 
     name: ClassVar[str]
     cross_process: ClassVar[bool] = True  # False: peers must live in this process (inproc)
+    shares_memory: ClassVar[bool] = False  # True: peer_memory() maps a receiver's regions here (shm)
+    copy_counts: dict[str, int] | None = None  # a sender that counts them: bytes copied, bytes found in place
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
         self.host = host
@@ -126,6 +129,18 @@ class Transport(ABC):
         receiver's memory directly may add where the region lives."""
         return self.address
 
+    async def peer_memory(self, address: str, region: int) -> memoryview | None:
+        """Region ``region`` of the receiver at ``address``, mapped into this process, where this
+        transport shares memory with it (shm); None where it does not (the default).
+
+        What the caller writes into the view is in the receiver's region at once (the receiver's
+        notices still come from :meth:`write`); a :meth:`write` whose ``data`` is already at its
+        place in this view copies nothing, so a stage can compute straight into a peer's memory
+        and then write only to say so. The view stays valid while the caller holds it (even after
+        the receiver unregistered the region or went away: the memory goes with the last holder).
+        """
+        return None
+
     def unregister(self, region: int) -> None:
         """Forget a region (idempotent) and release its memory if :meth:`allocate` made it;
         chunks for it later get an UnknownRegion notice.
@@ -151,15 +166,9 @@ class Transport(ABC):
         a PeerDisconnected notice for that chunk).
         """
         payload = self._payload(header, data)
-        route = self._routes.get(address) or self._route(address)
-        attempts, link = route.attempts, None
+        link = None
         try:
-            async with route.lock:
-                self._check_open()
-                link = route.link
-                if link is None or not link.usable():
-                    link = await route.reconnect(attempts, self._connect)
-                    self._check_open()  # closed while connecting
+            async with self._link_to(address) as link:
                 pending = await self._send(link, address, header, payload)
                 self._check_open()  # closed meanwhile: it may not all have gone out
             if pending is not None:
@@ -227,6 +236,20 @@ class Transport(ABC):
 
     async def _finish(self, link: Any, pending: Any) -> None:
         """Wait until what :meth:`_send` left ``pending`` is done with the payload."""
+
+    @contextlib.asynccontextmanager
+    async def _link_to(self, address: str):
+        """A usable link to the peer at ``address`` (connected first if need be), under its
+        route's lock: one user at a time, in call order."""
+        route = self._routes.get(address) or self._route(address)
+        attempts = route.attempts
+        async with route.lock:
+            self._check_open()
+            link = route.link
+            if link is None or not link.usable():
+                link = await route.reconnect(attempts, self._connect)
+                self._check_open()  # closed while connecting
+            yield link
 
     def _route(self, address: str) -> Route:
         peer = self._peer(address)  # ValueError before anything is kept for it

@@ -235,6 +235,10 @@ class ShapedTransport(Transport):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @property
+    def copy_counts(self) -> dict[str, int] | None:  # type: ignore[override]
+        return self.inner.copy_counts
+
     def __repr__(self) -> str:
         return (f"ShapedTransport({self.inner!r}, bandwidth={self.bandwidth}, latency={self.latency}, "
                 f"faults={self.faults})")

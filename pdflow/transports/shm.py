@@ -1,4 +1,4 @@
-"""Shared-memory transport: same-host KV chunks copied once, straight into the receiver's memory.
+"""Shared-memory transport: same-host KV chunks copied once (or not at all), straight into the receiver's memory.
 
 Memory. :meth:`ShmTransport.allocate` makes each region a sealed anonymous memfd
 (:mod:`~pdflow.transports.shm_memory`: nothing in ``/dev/shm``, freed by the kernel once its last
@@ -6,7 +6,10 @@ holder is gone, crash or not). A sender asks the receiver once for a region's me
 descriptor over the socket, maps it and keeps the mapping (``max_mappings`` per receiver, least
 recently used dropped; all of a receiver's as soon as its connection breaks). Each write is then
 one copy from the caller's buffer into the mapping at the offset, between a BEGIN and an END
-doorbell; the receiver verifies the checksum on its own view. Regions made with :meth:`register`
+doorbell; the receiver verifies the checksum on its own view. :meth:`peer_memory` hands the sender that
+mapping itself: a stage that computes its KV straight into it then writes each chunk from where
+it already is, and the write copies nothing (only the doorbells go; ``copy_counts`` counts bytes
+copied and bytes found in place). Regions made with :meth:`register`
 live in the receiver's private memory, which no sender can map: their chunks stream through the
 socket, as over tcp. Wire format: :mod:`~pdflow.transports.shm_wire`.
 
@@ -35,6 +38,7 @@ import struct
 from typing import Any
 
 import msgspec
+import numpy as np
 import structlog
 
 from pdflow.messages import KvChunkHeader
@@ -51,10 +55,16 @@ _SCRATCH = 1 << 16
 _OPTIONS = {"timeout_s": 30.0, "max_mappings": 256, "thread_copy_bytes": 16 << 20}
 
 
+def _address(view: memoryview) -> int:
+    """Where ``view``'s first byte is in this process's memory."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else 0
+
+
 class ShmTransport(Transport):
     """KV chunks through shared memory on one host; see the module docstring."""
 
     name = "shm"
+    shares_memory = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
         super().__init__(host, port, **options)
@@ -66,6 +76,7 @@ class ShmTransport(Transport):
         self._last_segment = 0
         self._senders: dict[socket.socket, set[int]] = {}  # connection -> regions it asked about
         self._acceptor: Acceptor | None = None
+        self.copy_counts = {"copied_bytes": 0, "in_place_bytes": 0}  # what this sender's writes did
 
     # --- regions ---------------------------------------------------------------------------
 
@@ -100,6 +111,25 @@ class ShmTransport(Transport):
 
     # --- sending (the steps of Transport.write) ------------------------------------------------
 
+    async def peer_memory(self, address: str, region: int) -> memoryview | None:
+        """The receiver's shared segment of ``region`` as this sender mapped it (None for a region
+        in its private memory, or one it does not have); see :meth:`Transport.peer_memory`."""
+        link = None
+        try:
+            async with self._link_to(address) as link:
+                link.sending = True
+                try:
+                    target = await link.target(region)
+                finally:
+                    link.sending = False
+        except BaseException as exc:
+            if link is not None and not isinstance(exc, TransportError):
+                link.close()
+            if (error := self._write_error(exc, address)) is exc:
+                raise
+            raise error from exc
+        return target[1] if isinstance(target, tuple) else None
+
     def _peer(self, address: str) -> str:
         wire.socket_name(address)
         return address
@@ -126,7 +156,12 @@ class ShmTransport(Transport):
             else:
                 segment, view = target
                 await send_gathered(sock, link.frame(op(wire.BEGIN, segment) + encoded))
-                await copy(view[header.offset : end], payload, self.thread_copy_bytes)  # the one copy
+                span = view[header.offset : end]
+                if header.nbytes and _address(span) == _address(payload):  # computed in place
+                    self.copy_counts["in_place_bytes"] += header.nbytes
+                else:
+                    await copy(span, payload, self.thread_copy_bytes)  # the one copy
+                    self.copy_counts["copied_bytes"] += header.nbytes
                 link.ended()
         finally:
             link.sending = False
