@@ -9,6 +9,7 @@ skipped with the reason.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -60,3 +61,42 @@ def test_layers_stream_while_prefill_computes(server):
     timeline = httpx.get(f"{server.url}/debug/timeline/{reply['id']}").json()
     assert len(timeline["decode.layer_in"]) == 30
     assert timeline["decode.layer_in"][0] < timeline["prefill.layer_done"][-1]
+
+
+
+def test_zero_copy_survives_restarts_of_the_store_and_of_decode(server):
+    """shm only (prefill computes into the store's blocks, decode attends from them): kill -9 of
+    decode, then of kv-shuttle, under streaming clients with random aborts: no request is lost,
+    decode moves to the new store's memory once its batch drained, nothing is left behind, and
+    greedy answers stay what they were. (Last in this module: it restarts the server's stages.)"""
+    if 'transport = "shm"' not in server.topology.read_text():
+        pytest.skip("the zero-copy path runs over shm")
+    from pdflow.testing import faults
+
+    def answers() -> list[str]:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        return [client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
+                                               temperature=0, max_tokens=20).choices[0].message.content
+                for q in QUESTIONS]
+
+    faults.settled(server)
+    assert server.health()["stages"]["decode-0"]["stats"]["attends_in_store"] == 1
+    expected, shm_before = answers(), faults.shm_segments()
+    load = faults.Load(server.url, clients=3, abort_ratio=0.2, max_tokens=12, bound_s=40).start()
+    old = []
+    try:
+        time.sleep(3)
+        for stage in ("decode-0", "kv-shuttle-0"):  # the decode that lived through the second moves on
+            old.append(faults.kill9(server, stage))
+            assert faults.wait_replaced(server, stage, old[-1], 120) is not None, server.log()
+            time.sleep(3)
+    finally:
+        outcomes = load.stop()
+    lost = [o for o in outcomes if o.kind == "lost"]
+    assert not lost, lost[:3]
+    counts, migrations = load.counts(), server.health()["stages"]["ingress-0"]["stats"]["migrations"]
+    assert counts["ok"] > 0 and counts["error"] + migrations > 0, counts  # the faults did reach requests
+    assert all(o.seconds < 40 for o in outcomes)
+    faults.settled(server)
+    faults.none_left_behind(old, shm_before)
+    assert answers() == expected

@@ -187,6 +187,7 @@ class DecodeStage(Stage):
             pool = self.store_pool
             if pool is None or pool.memory is not memory or pool.arena != arena:
                 pool = self.store_pool = KvPool(arena, memory, owns_slots=False)
+                self.log.info("kv.store.mapped", address=message.address, blocks=arena.num_slots, bytes=arena.nbytes)
             need = self._blocks_for(entry.request, pool)
             if len(message.slots) >= need and all(0 <= slot < arena.num_slots for slot in message.slots):
                 if self.requests.get(rid) is entry:  # (not cancelled while mapping)
