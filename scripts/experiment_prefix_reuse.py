@@ -99,6 +99,9 @@ def _timed(fn) -> float:
 
 def _servers(opts) -> dict[str, dict]:
     designs = {"pd reuse": {}, "pd no reuse": {"kv": {"prefix_cache": False}}}
+    if opts.shm:  # one host: KV computed and attended in the store's blocks, and the same with copies
+        designs |= {"pd reuse shm zero-copy": {"transport": "shm"},
+                    "pd reuse shm copies": {"transport": "shm", "kv": {"zero_copy": False}}}
     if opts.colocated:
         designs |= {"colocated reuse": {"mode": "colocated"},
                     "colocated no reuse": {"mode": "colocated", "kv": {"prefix_cache": False}}}
@@ -302,6 +305,8 @@ def main() -> int:
     parser.add_argument("--parts", default="lookup,rag,multiturn,trace,capacity,overhead")
     parser.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
     parser.add_argument("--colocated", action="store_true", help="also the colocated worker, reuse on and off")
+    parser.add_argument("--shm", action="store_true",
+                        help="also disaggregated over shm links, zero copy (the default there) and with copies")
     parser.add_argument("--llama-cpp-url", help="a llama-cpp-python server with --cache True on the same GGUF")
     parser.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128, 256])
     parser.add_argument("--documents", type=int, default=2)

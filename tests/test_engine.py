@@ -242,12 +242,14 @@ def test_prefill_after_a_cached_prefix_gives_the_same_kv_and_output(engine, refe
     torch.testing.assert_close(exported_keys[5][: len(ids) - cached], tail_keys[5], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("prompt", [0, 3], ids=["few-rows", "many-rows"])
-def test_prefill_computing_into_scattered_blocks_gives_the_same_kv(engine, prompt):
-    """Prefill with ``targets`` (the KV store's blocks, as prefill over shm computes them): each
-    layer's keys and values land in the blocks named, bit for bit what a plain prefill hands out,
-    whether the rows go through pdflow's kernels (few) or PyTorch (many), in runs of slots that
-    are not consecutive."""
+@pytest.mark.parametrize("prompt,cached", [(0, 0), (3, 0), (3, 16), (0, 16)],
+                         ids=["few-rows", "many-rows", "many-rows-after-a-prefix", "few-rows-after-a-prefix"])
+def test_prefill_computing_into_scattered_blocks_gives_the_same_kv(engine, prompt, cached):
+    """Prefill with ``targets`` and ``attended`` (the KV store's blocks, as prefill over shm computes
+    them): each layer's keys and values land in the blocks named, bit for bit what a plain prefill
+    hands out, whether the rows go through pdflow's kernels (few) or PyTorch (many), in runs of
+    slots that are not consecutive; after a cached prefix read where it is, within float tolerance
+    (the new rows are computed in another shape) and with the same first token."""
     from pdflow.kv.arena import ArenaLayout, anonymous_memory, runs
 
     loaded, prompts = engine
@@ -258,22 +260,32 @@ def test_prefill_computing_into_scattered_blocks_gives_the_same_kv(engine, promp
     blocks = arena.view(torch.frombuffer(anonymous_memory(arena.nbytes), dtype=torch.uint8))
     scattered = [7, 8, 3, 40, 41, 42, 9, 10, 11, 12, 13, 50, 30, 31]
     slots = (scattered + [s for s in range(64) if s not in scattered])[: -(-len(ids) // bt)]
-    spans = [(r.token_start, r.token_end, r.slot, r.count) for r in runs(slots, 0, len(ids), bt)]
-    assert len(spans) > 2
+    spans = [(r.token_start - cached, r.token_end - cached, r.slot, r.count)
+             for r in runs(slots[cached // bt :], cached, len(ids), bt)]
+    assert len(spans) >= 2
     kv = loaded.layout
+    for i, slot in enumerate(slots[: cached // bt]):  # the cached prefix, in its blocks
+        blocks[:, 0, slot] = torch.stack([keys[layer][i * bt : (i + 1) * bt] for layer in range(loaded.num_layers)])
+        blocks[:, 1, slot] = torch.stack([values[layer][i * bt : (i + 1) * bt] for layer in range(loaded.num_layers)])
+
+    def attended(layer):
+        return tuple(blocks[layer, kind, torch.tensor(slots)].reshape(-1, kv.num_kv_heads, kv.head_dim)[: len(ids)]
+                     for kind in (0, 1))
 
     def targets(layer):
         return [(a, b, *(blocks[layer, kind, slot : slot + count].view(-1, kv.num_kv_heads, kv.head_dim)[: b - a]
                          for kind in (0, 1))) for a, b, slot, count in spans]
 
     handed = {}
-    result = prefill(loaded, ids, _greedy(), lambda layer, k, v: handed.__setitem__(layer, (k, v)), targets=targets)
+    result = prefill(loaded, ids, _greedy(), lambda layer, k, v: handed.__setitem__(layer, (k, v)), start=cached,
+                     targets=targets, attended=attended)
     assert result.first_token == first
+    tolerance = {"rtol": 1e-4, "atol": 1e-4} if cached else {"rtol": 0, "atol": 0}
     for layer in range(loaded.num_layers):
         for kind, expected in ((0, keys[layer]), (1, values[layer])):
             stored = blocks[layer, kind, torch.tensor(slots)].reshape(-1, kv.num_kv_heads, kv.head_dim)[: len(ids)]
-            torch.testing.assert_close(stored, expected, rtol=0, atol=0)
-            torch.testing.assert_close(handed[layer][kind], expected, rtol=0, atol=0)
+            torch.testing.assert_close(stored, expected, **tolerance)
+            torch.testing.assert_close(handed[layer][kind], expected[cached:], **tolerance)
 
 
 def test_chunked_prefill_from_a_cached_prefix_equals_generate(engine, reference):

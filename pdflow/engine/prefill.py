@@ -26,6 +26,9 @@ PastSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 # layer -> where that layer's keys and values are computed (runs of rows and their memory, see
 # pdflow.engine.llama.Target); may raise to stop the prefill (a cancelled request)
 TargetSource = Callable[[int], list[Target]]
+# layer -> the keys and values of every token so far (the cached prefix and the new ones, written
+# by then), token-major: what the layer attends over when its KV is computed in place
+AttendedSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LayerStreamingCache:
@@ -34,10 +37,12 @@ class LayerStreamingCache:
     computing; with ``past``, the layer then attends over the prefix's KV and its own. Values go
     out in the memory the projection wrote them to (token-major); keys, which rotary embedding
     writes head-major, are transposed once. With ``targets`` the layers compute their keys and
-    values straight into the memory it names (the KV store's blocks), which ``sink`` then gets."""
+    values straight into the memory it names (the KV store's blocks), which ``sink`` then gets,
+    and attend over what ``attended`` gives (the prefix and the new tokens where they are)."""
 
-    def __init__(self, sink: LayerSink, past: PastSource | None = None, targets: TargetSource | None = None):
-        self.sink, self.past = sink, past
+    def __init__(self, sink: LayerSink, past: PastSource | None = None, targets: TargetSource | None = None,
+                 attended: AttendedSource | None = None):
+        self.sink, self.past, self.attended = sink, past, attended
         if targets is not None:
             self.targets = targets
         self.layer_done: list[float] = []
@@ -51,6 +56,9 @@ class LayerStreamingCache:
             values = values.contiguous()
         self.layer_done.append(time.monotonic())
         self.sink(layer_idx, keys, values)
+        if self.attended is not None:
+            keys, values = self.attended(layer_idx)
+            return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
         if self.past is not None:
             past_keys, past_values = self.past(layer_idx)
             key_states = torch.cat([past_keys.transpose(0, 1).unsqueeze(0), key_states], dim=2)
@@ -67,16 +75,18 @@ class PrefillResult:
 
 
 def prefill(loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler, sink: LayerSink,
-            past: PastSource | None = None, start: int = 0, targets: TargetSource | None = None) -> PrefillResult:
+            past: PastSource | None = None, start: int = 0, targets: TargetSource | None = None,
+            attended: AttendedSource | None = None) -> PrefillResult:
     """Run the prompt (after its first ``start`` tokens, whose KV ``past`` gives) through the
     model (blocking; call it from a worker thread). ``sink`` gets the KV of tokens ``start ..``,
-    computed where ``targets`` says if given (the compact engine only)."""
+    computed where ``targets`` says if given (the compact engine only; each layer then attends
+    over ``attended``'s keys and values of the whole prompt so far instead of ``past``'s)."""
     started = time.monotonic()
     device = loaded.device
     input_ids = torch.tensor([prompt_ids[start:]], dtype=torch.long, device=device)
     position_ids = torch.arange(start, len(prompt_ids), device=device).unsqueeze(0)
     mask = causal_mask(start, len(prompt_ids), device, torch_dtype(loaded.layout.dtype))
-    cache = LayerStreamingCache(sink, past if start else None, targets)
+    cache = LayerStreamingCache(sink, past if start else None, targets, attended)
     logits = loaded.model(input_ids, position_ids, mask, cache)
     token = sampler.sample(logits[0])
     return PrefillResult(token, cache.layer_done, started, time.monotonic())

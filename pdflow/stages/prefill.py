@@ -236,16 +236,24 @@ class PrefillStage(Stage):
 
         return targets
 
-    def _past_in_arena(self, plan: KvPlan, arena: _InArena):
-        """Layer *l*'s cached prefix, read where it is in the arena (the lease pins it)."""
-        kv, index = arena.layout.kv, torch.tensor(plan.prefix_slots)
+    def _attended(self, job: _Job, plan: KvPlan, arena: _InArena):
+        """Layer *l*'s keys and values of the whole prompt, the cached prefix (which the lease
+        pins) and the new tokens (written by then): where they are when the request's slots are
+        consecutive, else gathered once."""
+        kv, n, table = arena.layout.kv, len(job.request.prompt_ids), plan.prefix_slots + plan.slots
+        first, count = table[0], len(table)
+        consecutive = table == list(range(first, first + count))
+        index = None if consecutive else torch.tensor(table)
 
-        def past(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            keys, values = (arena.blocks[layer, kind].index_select(0, index).view(-1, kv.num_kv_heads, kv.head_dim)
-                            [: plan.cached_tokens] for kind in (KEYS, VALUES))
-            return keys, values
+        def attended(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            out = []
+            for kind in (KEYS, VALUES):
+                blocks = arena.blocks[layer, kind]
+                blocks = blocks[first : first + count] if consecutive else blocks.index_select(0, index)
+                out.append(blocks.view(-1, kv.num_kv_heads, kv.head_dim)[:n])
+            return out[0], out[1]
 
-        return past
+        return attended
 
     def _drop_prefix(self, job: _Job) -> None:
         """Stop receiving into the prefix's buffer (once no forward thread reads it)."""
@@ -269,11 +277,9 @@ class PrefillStage(Stage):
         except asyncio.TimeoutError:
             raise PrefixUnavailable(f"kv-shuttle gave no plan within {timeout} s") from None
         arena = await self._arena(job, plan)
-        past = targets = None
+        past = targets = attended = None
         if arena is not None:
-            targets = self._targets(job, plan, arena)
-            if plan.cached_tokens:
-                past = self._past_in_arena(plan, arena)
+            targets, attended = self._targets(job, plan, arena), self._attended(job, plan, arena)
         elif plan.cached_tokens:
             past = self._past(job, await self._receive_prefix(job, plan))
         layers: asyncio.Queue = asyncio.Queue()
@@ -286,7 +292,7 @@ class PrefillStage(Stage):
         sampler = Sampler(request.sampling)
         try:
             result = await loop.run_in_executor(self.executor, prefill, self.model, request.prompt_ids, sampler,
-                                                sink, past, plan.cached_tokens, targets)
+                                                sink, past, plan.cached_tokens, targets, attended)
         except BaseException:
             sender.cancel()
             raise
