@@ -99,26 +99,28 @@ def test_kernels_and_their_pytorch_fallback_agree(name, monkeypatch):
 def test_quantized_activations_are_what_the_format_says(name):
     """x is quantized per group of 32 to 16 or 8 bits (scale = the group's largest magnitude /
     32767 or 127, nearest, ties to even) and multiplied by the packed weights: the kernels equal
-    that computation done in PyTorch (up to float order), for one row and for tiles of rows."""
+    that computation done in PyTorch (up to float order), for one row and for tiles of rows, with an
+    even number of groups (one row of int4-a16 then takes two groups at a time) and an odd one."""
     from pdflow.engine import kernels
 
     assert kernels.library() is not None, kernels.unavailable_reason()
     torch.manual_seed(6)
-    packed = registry.load(name)().pack(torch.randn(80, 320) * 0.05, torch.randn(80))
     top_code = 32767 if name.endswith("a16") else 127
-    weight = packed.dequantized()
-    for rows in (1, 6, 64):
-        x = torch.randn(rows, 320) * torch.linspace(0.1, 10, 320)  # groups of very different ranges
-        x[0, :32] = 0  # an all-zero group
-        groups = x.view(rows, -1, 32)
-        top = groups.abs().amax(-1, keepdim=True)
-        inverse = torch.where(top > 0, top_code / top, torch.zeros_like(top))
-        step = top / top_code
-        quantized = (torch.round(groups * inverse) * step).view(rows, 320)
-        want = quantized.double() @ weight.double().T + packed.bias.double()
-        torch.testing.assert_close(packed(x).double(), want, rtol=2e-5, atol=2e-5 * float(want.abs().max()))
-        exact = x.double() @ weight.double().T + packed.bias.double()
-        assert _relative_error(packed(x), exact) < (1e-3 if top_code == 32767 else 3e-2)
+    for k in (320, 288):
+        packed = registry.load(name)().pack(torch.randn(80, k) * 0.05, torch.randn(80))
+        weight = packed.dequantized()
+        for rows in (1, 6, 64):
+            x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)  # groups of very different ranges
+            x[0, :32] = 0  # an all-zero group
+            groups = x.view(rows, -1, 32)
+            top = groups.abs().amax(-1, keepdim=True)
+            inverse = torch.where(top > 0, top_code / top, torch.zeros_like(top))
+            step = top / top_code
+            quantized = (torch.round(groups * inverse) * step).view(rows, k)
+            want = quantized.double() @ weight.double().T + packed.bias.double()
+            torch.testing.assert_close(packed(x).double(), want, rtol=2e-5, atol=2e-5 * float(want.abs().max()))
+            exact = x.double() @ weight.double().T + packed.bias.double()
+            assert _relative_error(packed(x), exact) < (1e-3 if top_code == 32767 else 3e-2)
 
 
 def test_quantized_formats_on_another_device_never_reach_the_cpu_kernels(monkeypatch):

@@ -438,6 +438,50 @@ static void a16_rows(const int16_t *w, const float *sw, const int16_t *xq, const
     }
 }
 
+/* One row of x against int4 weights two groups (32 bytes) at a time, with no shuffle: the 16 int16
+ * lanes of 32 weight bytes hold four nibbles each, taken out by shifts and masks (low nibble of the
+ * lane's first byte, its high nibble, then the second byte's), so lanes 0-7 are the first group's
+ * and 8-15 the second's in each of the four vectors; xp holds x's int16 activations in that order
+ * (pair_order16). The two groups' sums land in the two 128-bit halves, scaled by one vector. */
+static void pair_order16(const int16_t *xq, int64_t k, int16_t *xp) {
+    for (int64_t c = 0; c < k; c += 2 * GROUP)
+        for (int v = 0; v < 4; v++)
+            for (int j = 0; j < 16; j++) {
+                const int byte = 2 * j + (v >> 1);  /* of the 32 */
+                xp[c + v * 16 + j] = xq[c + (byte / 16) * GROUP + byte % 16 + 16 * (v & 1)];
+            }
+}
+
+static void q4a16_row_pairs(const int16_t *xp, const float *xs, const float *xsum, int64_t k, const uint8_t *q,
+                            const float *scale, const float *low, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const uint8_t *qn = q + n * (k / 2);
+        const float *sn = scale + n * groups, *ln = low + n * groups;
+        const __m256i nibble = _mm256_set1_epi16(15);
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        float base = 0.0f;
+        for (int64_t g = 0; g < groups; g += 2) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(qn + g * (GROUP / 2)));
+            const int16_t *x = xp + g * GROUP;
+            __m256i s = _mm256_madd_epi16(_mm256_and_si256(b, nibble), _mm256_loadu_si256((const __m256i *)x));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble),
+                                                      _mm256_loadu_si256((const __m256i *)(x + 16))));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 8), nibble),
+                                                      _mm256_loadu_si256((const __m256i *)(x + 32))));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_srli_epi16(b, 12),
+                                                      _mm256_loadu_si256((const __m256i *)(x + 48))));
+            const __m256 f = _mm256_set_m128(_mm_set1_ps(sn[g + 1] * xs[g + 1]), _mm_set1_ps(sn[g] * xs[g]));
+            const __m256 d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, a0);
+            a0 = a1;
+            a1 = d;
+            base += ln[g] * xsum[g] + ln[g + 1] * xsum[g + 1];
+        }
+        y[n] = reduce8(_mm256_add_ps(a0, a1)) + base;
+    }
+}
+
 static void q4a16_product(const int16_t *xq, const float *xs, const float *xsum, int64_t rows, int64_t k,
                           const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
     const int64_t groups = k / GROUP;
@@ -621,6 +665,14 @@ void pdflow_q4a16_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q
     int16_t *xq = aligned_alloc(32, (size_t)(rows * k * 2 + 31) / 32 * 32);
     float *xs = malloc(sizeof(float) * 2 * rows * groups), *xsum = xs + rows * groups;
     quantize_rows16(x, rows, k, xq, xs, xsum);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (rows == 1 && k % (2 * GROUP) == 0) {  /* one row: two groups at a time, activations reordered */
+        int16_t *xp = aligned_alloc(32, (size_t)(k * 2 + 31) / 32 * 32);
+        pair_order16(xq, k, xp);
+        q4a16_row_pairs(xp, xs, xsum, k, q, scale, low, n_out, y, threads);
+        free(xp);
+    } else
+#endif
     q4a16_product(xq, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
     free(xq);
     free(xs);
