@@ -196,7 +196,8 @@ class DecodeStage(Stage):
                     self._maybe_complete(entry)
                 return
             error = f"the KV store named {len(message.slots)} blocks for a request that needs {need}"
-        await self.fail(rid, error, entry.request.route, transient=True)
+        if self.requests.get(rid) is entry:
+            await self.fail(rid, error, entry.request.route, transient=True)
 
     async def _request_into_pool(self, message: DecodeRequest) -> None:
         layout = self.model.layout
