@@ -99,9 +99,10 @@ def _timed(fn) -> float:
 
 def _servers(opts) -> dict[str, dict]:
     designs = {"pd reuse": {}, "pd no reuse": {"kv": {"prefix_cache": False}}}
-    if opts.shm:  # one host: KV computed and attended in the store's blocks, and the same with copies
-        designs |= {"pd reuse shm zero-copy": {"transport": "shm"},
-                    "pd reuse shm copies": {"transport": "shm", "kv": {"zero_copy": False}}}
+    if opts.shm or opts.shm_copies:  # one host: KV computed and attended in the store's blocks
+        designs["pd reuse shm zero-copy"] = {"transport": "shm"}
+    if opts.shm_copies:  # and the same with copies
+        designs["pd reuse shm copies"] = {"transport": "shm", "kv": {"zero_copy": False}}
     if opts.colocated:
         designs |= {"colocated reuse": {"mode": "colocated"},
                     "colocated no reuse": {"mode": "colocated", "kv": {"prefix_cache": False}}}
@@ -306,7 +307,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
     parser.add_argument("--colocated", action="store_true", help="also the colocated worker, reuse on and off")
     parser.add_argument("--shm", action="store_true",
-                        help="also disaggregated over shm links, zero copy (the default there) and with copies")
+                        help="also disaggregated over shm links with zero copies (the default there)")
+    parser.add_argument("--shm-copies", action="store_true",
+                        help="also over shm with zero copies and with copies (kv.zero_copy = false)")
     parser.add_argument("--llama-cpp-url", help="a llama-cpp-python server with --cache True on the same GGUF")
     parser.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128, 256])
     parser.add_argument("--documents", type=int, default=2)
