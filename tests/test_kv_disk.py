@@ -1,0 +1,121 @@
+"""pdflow.kv.disk: the store's disk tier on real files: round trips, restart, torn tails and bit
+flips caught (never served), LRU by segment within the capacity, and a full disk turning the tier
+off with its reason while what is there stays readable."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pdflow.kv.disk import HEADER_BYTES, DiskTier, Outcome
+
+BLOCK = 4096 + 64  # any size: a block of the arena's layout, here small
+SEGMENT = 4 * (HEADER_BYTES + BLOCK)  # four records a segment
+
+
+def _block(seed: int) -> bytes:
+    return random.Random(seed).randbytes(BLOCK)
+
+
+def _tier(path: Path, capacity_segments: int = 8) -> DiskTier:
+    return DiskTier(path, capacity_segments * SEGMENT, BLOCK, segment_bytes=SEGMENT)
+
+
+def test_blocks_go_to_disk_and_come_back_as_they_were(tmp_path):
+    disk = _tier(tmp_path)
+    assert disk.put(1 << 100, None, _block(1)) and disk.put(2, 1 << 100, bytearray(_block(2)))
+    assert not disk.put(2, 1 << 100, _block(2))  # stored already: a block id names its content
+    into = bytearray(BLOCK)
+    assert disk.get(1 << 100, into) is Outcome.HIT and bytes(into) == _block(1)
+    assert disk.get(2, into) is Outcome.HIT and bytes(into) == _block(2)
+    assert disk.get(3, into) is Outcome.MISS
+    assert disk.parent(2) == 1 << 100 and disk.parent(1 << 100) is None and 2 in disk and 3 not in disk
+    stats = disk.stats()
+    assert (stats.blocks, stats.writes, stats.hits, stats.misses, stats.disabled) == (2, 2, 2, 1, "")
+    with pytest.raises(ValueError, match="a block is"):
+        disk.put(4, None, b"short")
+
+
+def test_a_restart_finds_every_whole_block_and_cuts_a_torn_tail(tmp_path):
+    disk = _tier(tmp_path)
+    for i in range(6):  # two segments
+        disk.put(i, i - 1 if i else None, _block(i))
+    disk.close()
+    segments = sorted(tmp_path.glob("seg-*.pdkv"))
+    assert len(segments) == 2
+    with open(segments[-1], "ab") as f:  # a crash in the middle of the next append
+        f.write(b"PDKB" + bytes(HEADER_BYTES + 100))
+    size = segments[-1].stat().st_size
+    again = _tier(tmp_path)
+    assert all(i in again for i in range(6)) and again.stats().corrupted == 1
+    assert segments[-1].stat().st_size == size - HEADER_BYTES - 104  # cut back to its whole records
+    into = bytearray(BLOCK)
+    assert again.get(5, into) is Outcome.HIT and bytes(into) == _block(5) and again.parent(5) == 4
+    assert again.put(6, 5, _block(6))  # appends go on (into a new segment)
+    assert _tier(tmp_path).stats().blocks == 7
+
+
+def test_a_flipped_bit_is_caught_on_read_and_the_block_never_served(tmp_path):
+    disk = _tier(tmp_path)
+    for i in range(3):
+        disk.put(i, None, _block(i))
+    disk.close()
+    (segment,) = tmp_path.glob("seg-*.pdkv")
+    with open(segment, "r+b") as f:  # one bit of block 1's payload
+        f.seek(2 * HEADER_BYTES + BLOCK + 1000)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+    disk = _tier(tmp_path)
+    into = bytearray(BLOCK)
+    assert disk.get(1, into) is Outcome.CORRUPTED
+    assert disk.get(1, into) is Outcome.MISS and 1 not in disk
+    assert disk.get(0, into) is Outcome.HIT and disk.get(2, into) is Outcome.HIT and bytes(into) == _block(2)
+    assert disk.stats().corrupted == 1
+    with open(segment, "r+b") as f:  # a damaged header: the scan stops there, earlier records stay
+        f.seek(HEADER_BYTES + BLOCK + 20)
+        f.write(b"\xff")
+    disk = _tier(tmp_path)
+    assert 0 in disk and 1 not in disk and 2 not in disk and disk.stats().corrupted == 1
+
+
+def test_the_least_recently_used_segment_goes_first_and_the_capacity_holds(tmp_path):
+    disk = _tier(tmp_path, capacity_segments=3)
+    into = bytearray(BLOCK)
+    for i in range(8):  # two full segments: [0..3], [4..7]
+        disk.put(i, None, _block(i))
+    assert disk.get(1, into) is Outcome.HIT  # the first segment is now the more recently used
+    for i in range(8, 16):  # room for one more segment's worth only: the second goes
+        disk.put(i, None, _block(i))
+        assert disk.stats().bytes_used <= 3 * SEGMENT
+    assert all(i in disk for i in range(4)) and not any(i in disk for i in range(4, 8))
+    assert disk.stats().evicted_blocks >= 4 and len(list(tmp_path.glob("seg-*.pdkv"))) <= 3
+    with pytest.raises(ValueError, match="two segments"):
+        DiskTier(tmp_path / "small", SEGMENT, BLOCK, segment_bytes=SEGMENT)
+
+
+def test_a_full_disk_turns_the_tier_off_with_its_reason_and_keeps_what_is_there(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={3 * SEGMENT}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        disk = DiskTier(mount, 100 * SEGMENT, BLOCK, segment_bytes=SEGMENT)  # more than the filesystem has
+        stored = [i for i in range(40) if disk.put(i, None, _block(i))]
+        assert 0 < len(stored) < 40
+        assert "No space" in disk.stats().disabled
+        assert not disk.put(99, None, _block(99))  # off: nothing more is tried
+        into = bytearray(BLOCK)
+        assert disk.get(stored[0], into) is Outcome.HIT and bytes(into) == _block(stored[0])
+        disk.close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
