@@ -61,9 +61,19 @@ def colocated_server(tmp_path_factory, model_dir):
         yield running
 
 
+@pytest.fixture(scope="session")
+def shm_server(tmp_path_factory, model_dir):
+    """One `pdflow run` of the default topology over shm links, where prefill computes the KV in
+    the store's blocks and decode attends from them (zero copies), for the whole session, on the
+    same terms as ``default_server`` (tests/test_e2e_transports.py restarts its kv-shuttle once)."""
+    with PdflowServer(tmp_path_factory.mktemp("pdflow-shm"), transport="shm") as running:
+        yield running
+
+
 def shared_server(request, deployment: str) -> PdflowServer:
-    """The session's server of ``deployment`` ("disaggregated" or "colocated")."""
-    return request.getfixturevalue("default_server" if deployment == "disaggregated" else "colocated_server")
+    """The session's server of ``deployment`` ("disaggregated", "colocated" or "zero-copy")."""
+    names = {"disaggregated": "default_server", "colocated": "colocated_server", "zero-copy": "shm_server"}
+    return request.getfixturevalue(names[deployment])
 
 
 @pytest.fixture(scope="module")
