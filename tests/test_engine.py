@@ -288,6 +288,20 @@ def test_prefill_computing_into_scattered_blocks_gives_the_same_kv(engine, promp
             torch.testing.assert_close(handed[layer][kind], expected[cached:], **tolerance)
 
 
+def test_targets_too_small_for_their_rows_are_refused_not_written_past(engine):
+    """The kernels write a run's keys unchecked: memory that cannot hold the run is a ValueError."""
+    loaded, prompts = engine
+    ids = prompts[0]  # few rows: pdflow's fused rotary step
+    kv = loaded.layout
+    small = torch.empty(len(ids) - 1, kv.num_kv_heads, kv.head_dim)
+
+    def targets(layer):
+        return [(0, len(ids), small, torch.empty(len(ids), kv.num_kv_heads, kv.head_dim))]
+
+    with pytest.raises(ValueError, match="cannot go into"):
+        prefill(loaded, ids, _greedy(), lambda *_: None, targets=targets)
+
+
 def test_chunked_prefill_from_a_cached_prefix_equals_generate(engine, reference):
     from pdflow.engine.chunked import ChunkedPrefill
 

@@ -130,6 +130,9 @@ class FusedSteps(TorchSteps):
         q = torch.empty(rows, heads, head_dim)
         split = qkv.view(rows, heads + 2 * kv_heads, head_dim)
         for a, b, keys, values in runs:
+            if not 0 <= a < b <= rows or keys.shape != (b - a, kv_heads, head_dim) or not keys.is_contiguous() \
+                    or keys.dtype != torch.float32:  # C writes b - a rows there, unchecked
+                raise ValueError(f"keys of rows {a}..{b} cannot go into a {tuple(keys.shape)} {keys.dtype} tensor")
             self.lib.pdflow_rope(qkv.data_ptr() + a * width * size, b - a, heads, kv_heads, head_dim,
                                  cos.data_ptr() + a * head_dim * size, sin.data_ptr() + a * head_dim * size,
                                  q.data_ptr() + a * heads * head_dim * size, keys.data_ptr())

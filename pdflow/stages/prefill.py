@@ -204,9 +204,11 @@ class PrefillStage(Stage):
     async def _arena(self, job: _Job, plan: KvPlan) -> _InArena | None:
         """The store's arena mapped here, where prefill computes in place (see the module doc);
         None where it does not (the KV is then written with a copy)."""
-        bt = self.pipeline.kv.block_tokens
-        if not self.in_place or len(plan.prefix_slots) * bt != plan.cached_tokens:
-            return None
+        bt, n = self.pipeline.kv.block_tokens, len(job.request.prompt_ids)
+        if not self.in_place or len(plan.prefix_slots) * bt != plan.cached_tokens or \
+                len(plan.slots) * bt < n - plan.cached_tokens or \
+                not all(0 <= slot < plan.num_slots for slot in plan.prefix_slots + plan.slots):
+            return None  # (a plan that does not fit is written with a copy: the store's receiver refuses it)
         try:
             memory = await self.to_shuttle.peer_memory(plan.address, plan.region)
         except transports.TransportError as exc:
