@@ -411,7 +411,7 @@ class KvStore:
         while len(self._free) < n:
             if not self._evict_one():
                 raise StoreFull(f"{n} blocks needed, {len(self._free)} free and every other block pinned "
-                                f"by {len(self._leases)} leases")
+                                f"by {len(self._leases)} leases or in quarantine ({len(self._quarantined)})")
         slots = [heapq.heappop(self._free) for _ in range(n)]
         slots.sort()
         if self.layout.num_slots - len(self._free) > self.high:
