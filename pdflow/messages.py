@@ -14,10 +14,11 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 6  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+PROTOCOL_VERSION = 7  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
 # 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked);
 # 5: tokens straight to ingress, decode's KV destinations in pool slots; 6: KV computed and attended in the
-# store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore)
+# store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore); 7: the disk tier (KvExpected.keep_s, PlanWanted,
+# KvForget, heartbeat notes)
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -61,6 +62,7 @@ class PrefillRequest(Message):
     prompt_ids: list[int]
     sampling: SamplingParams
     route: Route
+    keep_s: float | None = None  # the colocated worker's store: keep this request's KV at most this long
 
 
 class KvExpected(Message):
@@ -69,6 +71,14 @@ class KvExpected(Message):
     request_id: str
     prompt_ids: list[int]
     route: Route
+    keep_s: float | None = None  # keep the request's KV at most this long (0: not at all; None: the store's default)
+
+
+class PlanWanted(Message):
+    """prefill -> kv-shuttle: prefill is about to compute this request (sent only where the store
+    reads disk hits when prefill gets to a request, ``kv.prefetch = false``)."""
+
+    request_id: str
 
 
 class KvPlan(Message):
@@ -84,6 +94,26 @@ class KvPlan(Message):
     cached_tokens: int
     slots: list[int]
     prefix_slots: list[int] = []
+
+
+class KvForget(Message):
+    """ingress -> kv-shuttle (every replica), from the admin endpoint: drop the KV of a prefix
+    (its blocks and every block built on them) or, with ``everything``, all of it, in memory and
+    on disk. Only ingress may send it."""
+
+    forget_id: str
+    prompt_ids: list[int]
+    everything: bool = False
+
+
+class KvForgotten(Message):
+    """kv-shuttle -> ingress: what a :class:`KvForget` dropped."""
+
+    forget_id: str
+    stage: str
+    replica: int
+    memory_blocks: int
+    disk_blocks: int
 
 
 class PrefixDestination(Message):
@@ -267,6 +297,7 @@ class Heartbeat(Message):
     seq: int
     in_flight: int = 0
     stats: dict[str, int] = {}  # the stage's own counters (kv-shuttle: its store's)
+    notes: dict[str, str] = {}  # its conditions in words (kv-shuttle: "disk", why its disk tier is off)
 
 
 class StageFailed(Message):
@@ -302,6 +333,7 @@ class StageStatus(Message):
     in_flight: int
     restarts: int
     stats: dict[str, int] = {}
+    notes: dict[str, str] = {}
 
 
 class ProtocolRefused(Message):
@@ -343,6 +375,9 @@ ControlMessage = (
     | KvReturnSlots
     | KvInPlace
     | KvInStore
+    | PlanWanted
+    | KvForget
+    | KvForgotten
     | DecodeRequest
     | EgressRequest
     | KvDestination
@@ -365,6 +400,7 @@ ControlMessage = (
 
 ALL_MESSAGES: tuple[type, ...] = ControlMessage.__args__  # type: ignore[attr-defined]
 LAUNCHER_MESSAGES: tuple[type, ...] = (Ready, Heartbeat, StageFailed, ProtocolRefused)  # stage -> launcher
+INGRESS_ONLY: tuple[type, ...] = (KvForget,)  # not about one request, and taken from ingress only
 
 
 

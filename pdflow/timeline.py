@@ -5,6 +5,9 @@ Timelines come from ``GET /debug/timeline/{request_id}``: ``time.monotonic()`` s
 in several processes of one host (one clock), under these keys:
 
 - ``prefill.start`` / ``prefill.end``; ``prefill.layer_done[l]``: layer *l*'s KV computed;
+- ``prefill.dequeued``: prefill got to the request (it queued before); ``prefill.plan_in``: its
+  store plan was there (later than ``dequeued`` when prefill waited for the store, e.g. for a
+  prefix read from disk that the queue did not hide);
 - ``prefill.send_start``: the first KV write began (after the whole prefill with
   ``kv_streaming = "request"``);
 - ``prefill.layer_sent[l]``: layer *l*'s keys and values handed to the data plane (the write

@@ -8,11 +8,12 @@ import os
 import random
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from pdflow.kv.disk import HEADER_BYTES, DiskTier, Outcome
+from pdflow.kv.disk import HEADER_BYTES, DiskInUse, DiskTier, Outcome
 
 BLOCK = 4096 + 64  # any size: a block of the arena's layout, here small
 SEGMENT = 4 * (HEADER_BYTES + BLOCK)  # four records a segment
@@ -57,6 +58,7 @@ def test_a_restart_finds_every_whole_block_and_cuts_a_torn_tail(tmp_path):
     into = bytearray(BLOCK)
     assert again.get(5, into) is Outcome.HIT and bytes(into) == _block(5) and again.parent(5) == 4
     assert again.put(6, 5, _block(6))  # appends go on (into a new segment)
+    again.close()
     assert _tier(tmp_path).stats().blocks == 7
 
 
@@ -77,6 +79,7 @@ def test_a_flipped_bit_is_caught_on_read_and_the_block_never_served(tmp_path):
     assert disk.get(1, into) is Outcome.MISS and 1 not in disk
     assert disk.get(0, into) is Outcome.HIT and disk.get(2, into) is Outcome.HIT and bytes(into) == _block(2)
     assert disk.stats().corrupted == 1
+    disk.close()
     with open(segment, "r+b") as f:  # a damaged header: the scan stops there, earlier records stay
         f.seek(HEADER_BYTES + BLOCK + 20)
         f.write(b"\xff")
@@ -119,3 +122,65 @@ def test_a_full_disk_turns_the_tier_off_with_its_reason_and_keeps_what_is_there(
         disk.close()
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_blocks_move_between_scattered_buffers_in_one_call(tmp_path):
+    disk = _tier(tmp_path)
+    block = _block(7)
+    spans = [block[i : i + 1040] for i in range(0, BLOCK, 1040)]  # as a block's spans in the arena
+    assert disk.put(7, None, spans)
+    into = [bytearray(1040) for _ in spans[:-1]] + [bytearray(BLOCK - 1040 * (len(spans) - 1))]
+    assert disk.get(7, into) is Outcome.HIT and b"".join(into) == block
+    one = bytearray(BLOCK)  # the checksum is the same however the payload was cut
+    assert disk.get(7, one) is Outcome.HIT and bytes(one) == block
+
+
+def test_one_process_owns_a_directory(tmp_path):
+    disk = _tier(tmp_path)
+    with pytest.raises(DiskInUse, match="give each its own disk_path"):
+        _tier(tmp_path)
+    disk.close()
+    _tier(tmp_path).close()  # free again once closed
+
+
+def test_versions_replace_and_a_pinned_version_is_told_apart(tmp_path):
+    disk = _tier(tmp_path)
+    into = bytearray(BLOCK)
+    assert disk.put(5, None, _block(1), version=3)
+    assert not disk.put(5, None, _block(1), version=3)  # that version is there
+    assert disk.put(5, None, _block(2), version=4)  # re-put: a new version replaces it
+    assert disk.version(5) == 4
+    assert disk.get(5, into, version=3) is Outcome.VERSION_MISMATCH
+    assert disk.get(5, into, version=4) is Outcome.HIT and bytes(into) == _block(2)
+    disk.close()
+    again = _tier(tmp_path)  # the replaced version stays buried after a restart
+    assert again.version(5) == 4 and again.max_version == 4
+    assert again.get(5, into) is Outcome.HIT and bytes(into) == _block(2)
+    again.close()
+
+
+def test_forgotten_and_expired_blocks_are_overwritten_and_stay_gone_after_a_restart(tmp_path):
+    disk = _tier(tmp_path)
+    now = time.time()
+    for i in range(3):
+        disk.put(i, None, _block(i))
+    disk.put(10, None, _block(10), expires_at=now + 0.2)
+    assert 10 in disk
+    assert disk.forget([1, 99]) == 1 and 1 not in disk
+    into = bytearray(BLOCK)
+    assert disk.get(1, into) is Outcome.MISS
+    time.sleep(0.25)
+    assert 10 not in disk and disk.get(10, into) is Outcome.MISS  # past its expiry: never served
+    disk.put(11, None, _block(11), expires_at=time.time() + 0.01)
+    time.sleep(0.02)
+    assert disk.expire() == 1 and disk.stats().expired == 2 and disk.stats().forgotten == 1
+    disk.close()
+    raw = b"".join(p.read_bytes() for p in tmp_path.glob("seg-*.pdkv"))
+    for gone in (1, 10, 11):  # not a byte of what was forgotten or expired is left on disk
+        assert _block(gone)[:256] not in raw
+    assert _block(0)[:256] in raw
+    again = _tier(tmp_path)
+    assert sorted(i for i in range(12) if i in again) == [0, 2]
+    assert again.forget() == 2 and not list(tmp_path.glob("seg-*.pdkv"))  # everything: the files go
+    assert again.put(3, None, _block(3)) and 3 in again
+    again.close()

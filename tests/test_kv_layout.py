@@ -139,6 +139,17 @@ def test_from_config() -> None:
     assert KvLayout.from_config(mha) == KvLayout(4, 4, 64)
 
 
+def test_from_model_dir(tmp_path) -> None:
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, '
+                                          '"num_key_value_heads": 3, "model_type": "llama"}')
+    assert KvLayout.from_model_dir(tmp_path) == SMOLLM2
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        KvLayout.from_model_dir(tmp_path)
+    with pytest.raises(ValueError, match="cannot read"):
+        KvLayout.from_model_dir(tmp_path / "absent")
+
+
 def test_checksum_is_xxh3_64() -> None:
     data = bytes(range(256)) * 40
     assert checksum(data) == xxhash.xxh3_64_intdigest(data)

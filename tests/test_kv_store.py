@@ -11,6 +11,7 @@ import torch
 from pdflow.kv.arena import ArenaLayout, Run, runs
 from pdflow.kv.blocks import BlockHasher
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
+from pdflow.kv.outcomes import Corrupted, Miss, Outcome, VersionMismatch
 from pdflow.kv.store import KvStore, StoreFull
 
 TINY = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
@@ -266,3 +267,76 @@ def test_a_corrupt_block_still_pinned_is_freed_at_its_last_unpin() -> None:
     store.release("holder")
     store.release("reader")
     assert store.stats().blocks_used == 1  # block 0 stays cached; the detached slot is free
+
+
+# --- versions, expiry, forgetting -----------------------------------------------------------
+
+
+def test_a_re_put_is_a_new_version_and_a_reader_of_the_old_one_is_told() -> None:
+    store = _store(8)
+    ids = BlockHasher("m", "float32", BT).ids(list(range(3 * BT)))
+    old, new = _kv(3, seed=1), _kv(3, seed=2)
+    store.put(ids, *old)
+    pinned = store.versions(ids)
+    assert len(pinned) == 3 and pinned == sorted(set(pinned))
+    reader = store.lease("reader", ids[:2], write=False)  # holds version v of blocks 0 and 1
+    slots_then = list(reader.slots)
+    assert store.put(ids[1:2], *[[t[BT : 2 * BT] for t in kv] for kv in new], replace=True) == 1
+    assert store.versions(ids)[1] > pinned[1] and store.versions(ids)[0] == pinned[0]
+    with pytest.raises(VersionMismatch) as caught:
+        store.get(ids[:2], versions=pinned[:2])
+    assert caught.value.outcome is Outcome.VERSION_MISMATCH and caught.value.block_id == ids[1]
+    held = store.read(slots_then, 2 * BT)  # the pinned old bytes are still there for the reader
+    assert torch.equal(held[0][0][BT:], old[0][0][BT : 2 * BT])
+    got = store.get(ids, versions=store.versions(ids))  # the new version, and its child still hangs from it
+    assert torch.equal(got[0][0][BT : 2 * BT], new[0][0][BT : 2 * BT]) and store.lookup(ids) == 3
+    store.release("reader")
+    assert store.stats().blocks_used == 3  # the old version's slot came back at the last unpin
+    with pytest.raises(Miss):
+        store.get([12345])
+
+
+def test_a_corrupt_block_is_a_typed_outcome_of_get() -> None:
+    store = _store(4)
+    ids = BlockHasher("m", "float32", BT).ids(list(range(2 * BT)))
+    store.put(ids, *_kv(2, seed=1))
+    slot = store.block_info(ids[1])[0]
+    store.blocks[1, 1, slot, 0, 0, 0] += 1.0
+    with pytest.raises(Corrupted):
+        store.get(ids)
+    assert ids[1] not in store and store.stats().checksum_failures == 1
+
+
+def test_expired_blocks_are_never_found_and_their_slots_come_back() -> None:
+    now = [0.0]
+    store = _store(8, block_ttl_s=10, clock=lambda: now[0])
+    h = BlockHasher("m", "float32", BT)
+    forever, mortal, private = h.ids(list(range(2 * BT))), h.ids(list(range(50, 50 + 2 * BT))), h.ids([7] * BT)
+    store.put(forever, *_kv(2, 1), keep_s=float("inf"))
+    store.put(mortal, *_kv(2, 2))  # the store's 10 s
+    assert store.put(private, *_kv(1, 3), keep_s=0) == 0  # a caller whose data must not be kept
+    assert store.stats().blocks_used == 4 and private[0] not in store
+    reader = store.lease("reader", mortal, write=False)
+    now[0] = 10
+    assert mortal[0] not in store and store.lookup(mortal) == 0  # never served once expired
+    store.expire()
+    assert store.stats().expired == 2 and store.lookup(forever) == 2
+    assert store.stats().blocks_used == 4  # pinned by the reader: its slots wait for it
+    assert torch.equal(store.read(reader.slots, 2 * BT)[0][0], _kv(2, 2)[0][0])
+    store.release("reader")
+    assert store.stats().blocks_used == 2
+
+
+def test_forget_drops_a_prefix_with_everything_built_on_it_or_all() -> None:
+    store = _store(16)
+    h = BlockHasher("m", "float32", BT)
+    chat = list(range(4 * BT))
+    store.put(h.ids(chat), *_kv(4, 1))
+    store.put(h.ids(chat[: 2 * BT] + [999] * 2 * BT), *_kv(4, 2))  # shares chat's first two blocks
+    other = h.ids(list(range(500, 500 + 2 * BT)))
+    store.put(other, *_kv(2, 3))
+    assert store.forget(h.ids(chat)[2:3]) == 2  # chat's third block and its child; the branch stays
+    assert store.lookup(h.ids(chat)) == 2 and store.lookup(h.ids(chat[: 2 * BT] + [999] * 2 * BT)) == 4
+    assert store.forget(h.ids(chat)[:1]) == 4  # the first block takes both branches
+    assert store.lookup(other) == 2 and store.stats().forgotten == 6
+    assert store.forget() == 2 and store.stats().blocks_used == 0 and store.forget([1, 2]) == 0

@@ -8,7 +8,7 @@ import pytest
 
 from pdflow.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Cancel, DecodeRequest, EgressRequest, Heartbeat, Hello,
-    KvChunkHeader, KvDestination, KvExpected, KvPlan, KvInPlace, KvInStore, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
+    KvChunkHeader, KvDestination, KvExpected, KvForget, KvForgotten, KvPlan, KvInPlace, PlanWanted, KvInStore, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
     PrefixDestination,
     ProtocolMismatch, ProtocolRefused, Ready, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
     StageStatus, StageUp, StopRequest, TextDelta, Tokens, check_hello, decoder, encoder,
@@ -26,7 +26,10 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
         PrefillRequest("req-1", [1, 2, 3], SamplingParams(), Route()),
         PrefillRequest("req-2", list(range(500)), SAMPLING, ROUTE),
     ],
-    KvExpected: [KvExpected("req-1", [1, 2, 3], ROUTE)],
+    KvExpected: [KvExpected("req-1", [1, 2, 3], ROUTE), KvExpected("req-2", [4], ROUTE, keep_s=0.0)],
+    PlanWanted: [PlanWanted("req-1")],
+    KvForget: [KvForget("f-1", [1, 2, 3]), KvForget("f-2", [], everything=True)],
+    KvForgotten: [KvForgotten("f-1", "kv_shuttle", 1, 12, 30)],
     KvPlan: [KvPlan("req-1", "tcp://127.0.0.1:5630", 0, 1456, 128, [2, 3, 4, 9]),
              KvPlan("req-2", "shm://@pdflow-1", 0, 1456, 128, [2, 3], prefix_slots=[0, 1])],
     KvInPlace: [KvInPlace("req-1", 300)],
@@ -64,7 +67,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     StopRequest: [StopRequest("req-1")],
     Hello: [Hello(PROTOCOL_VERSION, "kv_shuttle", 1, 4242)],
     Ready: [Ready("decode", 0, 4243, PROTOCOL_VERSION)],
-    Heartbeat: [Heartbeat("prefill", 0, 1), Heartbeat("prefill", 2, 999_999, in_flight=5, stats={"hits": 3})],
+    Heartbeat: [Heartbeat("prefill", 0, 1), Heartbeat("prefill", 2, 999_999, in_flight=5, stats={"hits": 3}),
+                Heartbeat("kv_shuttle", 0, 4, notes={"disk": "off, memory only: No space left on device"})],
     StageFailed: [StageFailed("decode", 1, "Traceback (most recent call last):\n  ...\nRuntimeError: boom")],
     StageDown: [StageDown("kv_shuttle", 0, "exited with status -9")],
     StageUp: [StageUp("kv_shuttle", 0)],
@@ -182,7 +186,7 @@ def test_older_and_newer_peers_still_decode() -> None:
     old = decoder().decode(msgspec.msgpack.encode(["Tokens", "req-1", 3, [5, 6]]))
     assert old == Tokens("req-1", 3, [5, 6], finish_reason=None, timeline={})
     # a newer peer appends fields this version does not know: they are ignored
-    new = decoder().decode(msgspec.msgpack.encode(["Heartbeat", "decode", 1, 7, 2, {}, "from the future"]))
+    new = decoder().decode(msgspec.msgpack.encode(["Heartbeat", "decode", 1, 7, 2, {}, {}, "from the future"]))
     assert new == Heartbeat("decode", 1, 7, in_flight=2)
 
 
@@ -193,7 +197,9 @@ def _names(cls: type) -> list[str]:
 
 
 def test_field_order_is_pinned() -> None:
-    assert _names(PrefillRequest) == ["request_id", "prompt_ids", "sampling", "route"]
+    assert _names(PrefillRequest) == ["request_id", "prompt_ids", "sampling", "route", "keep_s"]
+    assert _names(KvExpected) == ["request_id", "prompt_ids", "route", "keep_s"]
+    assert _names(Heartbeat)[-2:] == ["stats", "notes"]
     assert _names(Tokens) == ["request_id", "index", "token_ids", "finish_reason", "timeline", "cached_tokens"]
     assert _names(KvChunkHeader) == [
         "request_id", "layer", "kind", "token_start", "token_end", "dtype", "shape",

@@ -80,6 +80,8 @@ BAD_COMPLETION = [
     (json.dumps({"prompt": "a", "logprobs": 2}).encode(), "logprobs", "not supported"),
     (json.dumps({"prompt": "a", "echo": True}).encode(), "echo", "not supported"),
     (json.dumps({"prompt": "a", "best_of": 2}).encode(), "best_of", "best_of=1"),
+    (json.dumps({"prompt": "a", "kv_ttl_s": -1}).encode(), "kv_ttl_s", "greater than or equal to 0"),
+    (b'{"prompt": "a", "kv_ttl_s": Infinity}', "kv_ttl_s", "finite"),
 ]
 
 
@@ -109,20 +111,21 @@ def test_chat_request_defaults_and_extras_ignored():
     assert req.model == "m" and not req.stream and req.stream_options is None
     assert sampling_from(req) == {
         "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "max_tokens": None,
-        "stop": (), "stop_token_ids": (), "ignore_eos": False, "skip_special_tokens": True,
+        "stop": (), "stop_token_ids": (), "ignore_eos": False, "skip_special_tokens": True, "kv_ttl_s": None,
     }
 
 
 def test_chat_request_fields_reach_sampling():
     req = parse_chat_request(chat(
         max_completion_tokens=7, max_tokens=99, temperature=0, top_p=0.5, top_k=-1, seed=3,
-        stop="###", stop_token_ids=[5, 6], ignore_eos=True, skip_special_tokens=False,
+        stop="###", stop_token_ids=[5, 6], ignore_eos=True, skip_special_tokens=False, kv_ttl_s=60,
         stream=True, stream_options={"include_usage": True}, logprobs=False, user="u",
     ))
     assert req.stream and req.stream_options.include_usage
     assert sampling_from(req) == {
         "temperature": 0.0, "top_p": 0.5, "top_k": 0, "seed": 3, "max_tokens": 7,
         "stop": ("###",), "stop_token_ids": (5, 6), "ignore_eos": True, "skip_special_tokens": False,
+        "kv_ttl_s": 60.0,
     }
 
 

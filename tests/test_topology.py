@@ -154,6 +154,12 @@ BAD_FILES = [
      "expected true or false"),
     ("low above high watermark", ["[kv]", "high_watermark = 0.5", "low_watermark = 0.7"], "kv.low_watermark", 3,
      "<= kv.high_watermark"),
+    ("disk size without a directory", ["[kv]", 'disk_capacity = "1GiB"'], "kv.disk_capacity", 2,
+     "without kv.disk_path"),
+    ("disk smaller than two segments", ["[kv]", 'disk_path = "kv"', 'disk_capacity = "300MiB"'], "kv.disk_capacity",
+     3, "at least two segments"),
+    ("block ttl not a number", ["[kv]", "block_ttl_s = nan"], "kv.block_ttl_s", 2, "expected a number, got"),
+    ("block ttl zero", ["[kv]", "block_ttl_s = 0"], "kv.block_ttl_s", 2, "> 0"),
     ("two transports into kv_shuttle", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'transport = "tcp"',
                                          "[[links]]", 'src = "decode"', 'dst = "kv_shuttle"', 'transport = "inproc"'],
      "links[1].transport", 8, "kv_shuttle receives KV on one data port"),
@@ -271,3 +277,17 @@ def test_kv_table_and_the_return_links_follow_the_prompt_link() -> None:
     assert t.link("kv_shuttle", "prefill").transport == "shm"
     assert t.link("kv_shuttle", "decode").transport == "tcp"
     assert parse("[kv]", "store_bytes = 1048576").kv.store_bytes == 1 << 20
+
+
+def test_the_disk_tier_keys(tmp_path) -> None:
+    t = parse("[kv]", 'disk_path = "cache/kv"', 'disk_capacity = "2GiB"', 'disk_segment_bytes = "64MiB"',
+              "block_ttl_s = 3600", "prefetch = false", path=tmp_path / "topo.toml")
+    assert t.kv.disk_path == tmp_path / "cache" / "kv"  # relative to the topology file
+    assert (t.kv.disk_capacity, t.kv.disk_segment_bytes, t.kv.block_ttl_s, t.kv.prefetch) == (2 << 30, 64 << 20,
+                                                                                             3600.0, False)
+    plain = parse("[kv]", "block_ttl_s = inf")
+    assert plain.kv.disk_path is None and plain.kv.block_ttl_s == float("inf") and plain.kv.prefetch
+    (tmp_path / "file").write_text("")
+    with pytest.raises(TopologyError, match="is not a directory") as bad:
+        parse("[kv]", 'disk_path = "file"', path=tmp_path / "topo.toml")
+    assert bad.value.key == "kv.disk_path" and bad.value.line == 2

@@ -163,6 +163,14 @@ class KvConfig:
     kv-shuttle replica, decode attending with pdflow's kernel), prefill computes each layer's KV
     straight into the store's blocks and decode attends from them (its pool is then the store);
     false keeps the copies, to compare.
+    ``disk_path``: the store's disk tier, a directory (none: memory only); each kv-shuttle
+    replica keeps its blocks in its own subdirectory. ``disk_capacity``: at most this much on
+    disk (least recently used segments go first). ``disk_segment_bytes``: the size of one
+    segment file (the unit of disk eviction).
+    ``block_ttl_s``: how long a stored block is kept (``inf``: until evicted); a request may
+    ask for less (``kv_ttl_s`` in its body; 0 keeps none of its KV).
+    ``prefetch``: read a queued request's prefix from disk as soon as it arrives (false: when
+    prefill gets to it, to compare).
     """
 
     prefix_cache: bool = True
@@ -172,6 +180,11 @@ class KvConfig:
     low_watermark: float = 0.85
     decode_pool_bytes: int = 4 << 30
     zero_copy: bool = True
+    disk_path: Path | None = None
+    disk_capacity: int = 64 << 30
+    disk_segment_bytes: int = 256 << 20
+    block_ttl_s: float = float("inf")
+    prefetch: bool = True
 
 
 @dataclass(frozen=True, slots=True)

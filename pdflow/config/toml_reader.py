@@ -113,7 +113,7 @@ class TableReader:
     ) -> float:
         """A float; integers are accepted too (``request_timeout_s = 300``), booleans are not."""
         key, value = join(prefix, name), table.get(name, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
             raise self.error(key, f"expected a number, got {describe(value)}")
         self._check_range(value, key, "a number", ge, gt, lt, None)
         return float(value)

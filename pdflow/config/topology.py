@@ -85,7 +85,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
         links=_links(r, raw.get("links", []), engine.mode),
         engine=engine,
         router=_router(r, r.table(raw, "", "router", ("policy", "options"))),
-        kv=_kv(r, r.table(raw, "", "kv", [f.name for f in fields(KvConfig)])),
+        kv=_kv(r, r.table(raw, "", "kv", [f.name for f in fields(KvConfig)]), path),
         security=_security(r, r.table(raw, "", "security", [f.name for f in fields(SecurityConfig)]), path),
     )
     if pipeline.colocated and raw.get("links"):
@@ -187,7 +187,7 @@ def _heartbeat_timeout(r: TableReader, t: dict[str, Any], interval: float) -> fl
     return timeout
 
 
-def _kv(r: TableReader, t: dict[str, Any]) -> KvConfig:
+def _kv(r: TableReader, t: dict[str, Any], topology_path: Path) -> KvConfig:
     d = KvConfig()
     store_bytes = _size(r, t, "kv", "store_bytes", d.store_bytes)
     high = r.number(t, "kv", "high_watermark", d.high_watermark, gt=0)
@@ -202,7 +202,31 @@ def _kv(r: TableReader, t: dict[str, Any]) -> KvConfig:
         store_bytes=store_bytes, high_watermark=high, low_watermark=low,
         decode_pool_bytes=_size(r, t, "kv", "decode_pool_bytes", d.decode_pool_bytes),
         zero_copy=r.boolean(t, "kv", "zero_copy", d.zero_copy),
+        **_disk(r, t, topology_path, d),
+        block_ttl_s=r.number(t, "kv", "block_ttl_s", d.block_ttl_s, gt=0),
+        prefetch=r.boolean(t, "kv", "prefetch", d.prefetch),
     )
+
+
+def _disk(r: TableReader, t: dict[str, Any], topology_path: Path, d: KvConfig) -> dict[str, Any]:
+    """The disk tier's keys: a directory (relative to the topology file) and its sizes."""
+    value = r.string(t, "kv", "disk_path", "")
+    capacity = _size(r, t, "kv", "disk_capacity", d.disk_capacity)
+    segment = _size(r, t, "kv", "disk_segment_bytes", d.disk_segment_bytes)
+    if not value:
+        for name in ("disk_capacity", "disk_segment_bytes"):
+            if name in t:
+                raise r.error(f"kv.{name}", "a disk tier setting without kv.disk_path; set the directory too")
+        return {}
+    path = (topology_path.absolute().parent / Path(value).expanduser()).resolve()
+    if path.exists() and not path.is_dir():
+        raise r.error("kv.disk_path", f"{path} exists and is not a directory")
+    if segment < 1 << 20:
+        raise r.error("kv.disk_segment_bytes", f"expected at least 1MiB, got {segment} bytes")
+    if capacity < 2 * segment:
+        raise r.error("kv.disk_capacity", f"expected at least two segments (kv.disk_segment_bytes = {segment} "
+                                          f"bytes), got {capacity} bytes")
+    return {"disk_path": path, "disk_capacity": capacity, "disk_segment_bytes": segment}
 
 
 def _engine(r: TableReader, t: dict[str, Any]) -> EngineConfig:

@@ -5,7 +5,10 @@ Usable on its own::
 
     disk = DiskTier(Path("/var/cache/pdflow/kv"), capacity_bytes=64 << 30, block_bytes=layout.block_bytes)
     disk.put(block_id, parent_id, payload)          # blocking: call it off the event loop
-    outcome = disk.get(block_id, into)               # HIT (bytes in ``into``), MISS or CORRUPTED
+    outcome = disk.get(block_id, into)               # HIT (bytes in ``into``), MISS, CORRUPTED, ...
+
+A payload (and ``into``) may be one buffer or a sequence of them (a block's spans in the store's
+arena: written with one ``pwritev`` and read with one ``preadv``, no copy through a staging buffer).
 
 Why segments. A block of SmolLM2 is 0.7–3 MB (16–64 tokens), of a 70B model far more, and a
 store holds thousands: one file per block costs a create, an fsync of a directory entry and an
@@ -13,57 +16,67 @@ unlink per block, and scatters the data. A log of large segment files (``segment
 by default) turns spilling into sequential appends, reading a block into one ``preadv`` at a known
 offset, and eviction into deleting a whole file — the shape of Mooncake's and LMCache's local
 disk backends. The price is that space comes back a segment at a time: eviction drops the least
-recently used *segment* (the one whose most recent read or write is oldest), and a block read
-from disk that goes back into memory is written again at the log's head if it is evicted again,
-so what is used stays near the head.
+recently used *segment* (the one whose most recent read, write or :meth:`DiskTier.touch` is
+oldest; the store touches the blocks memory serves, so the segments of blocks in use stay young).
 
-Records. Each block is one record: a 64-byte header (magic ``PDKB``, format version, the block id
-and its parent's, the payload's length and xxh3-64, and the xxh3-64 of those fields) and the
-payload. A record enters the index only once it is wholly written, so a reader never sees a half
-written block. At start every segment is scanned and its records' headers checked; a torn tail
-(a crash mid-append) is cut off; a payload is checked against its checksum on every read, and a
-block that fails is dropped from the index and counted, never returned. Restarting keeps every
-whole record: the page cache survives a killed process; a machine crash may lose the unsynced
-tail of the open segment, which the scan then cuts (``fsync`` happens when a segment is closed).
+Records. Each block is one record: an 80-byte header (magic ``PDKB``, format version, flags,
+the block id and its parent's, the payload's length and xxh3-64, the block's version, when it
+expires, and the xxh3-64 of those fields) and the payload. A record enters the index only once it
+is wholly written, so a reader never sees a half written block. At start every segment is scanned
+and its records' headers checked; a torn tail (a crash mid-append) is cut off; a payload is
+checked against its checksum on every read, and a block that fails is dropped from the index and
+counted, never returned. Restarting keeps every whole record: the page cache survives a killed
+process; a machine crash may lose the unsynced tail of the open segment, which the scan then cuts
+(``fsync`` happens when a segment is closed).
+
+Forgetting. A block forgotten on demand (:meth:`DiskTier.forget`) or past its expiry
+(:meth:`DiskTier.expire`) is overwritten where it lies: its payload with zeros, its header with a
+tombstone (the scan skips it, so it does not come back at the next start). Forgetting everything
+deletes the segment files.
 
 Failures. A write that fails for lack of space or permission (``ENOSPC``, ``EDQUOT``, ``EACCES``,
 ``EROFS``) turns the tier off with one warning (``disabled`` says why); reads of what is already
-there go on. Thread-safe: one lock guards the index and the files.
+there go on. One process owns a directory (an exclusive ``flock`` on its ``LOCK`` file): a second
+opener gets :class:`DiskInUse`. Thread-safe: one lock guards the index and the files.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import structlog
 import xxhash
 
 from pdflow.kv.blocks import BlockId
+from pdflow.kv.outcomes import Outcome
 
-__all__ = ["DiskStats", "DiskTier", "Outcome"]
+__all__ = ["DiskInUse", "DiskStats", "DiskTier", "Outcome"]
 
 log = structlog.get_logger()
 
 MAGIC = b"PDKB"
-FORMAT = 1
-# magic, format, reserved, id (lo, hi), parent (lo, hi), has parent, payload length, payload xxh3
-_FIELDS = struct.Struct("<4sHHQQQQIIQ")
-_HEADER = struct.Struct(f"<{_FIELDS.size}sQ")  # the fields and their xxh3-64: 64 bytes
+FORMAT = 2
+TOMBSTONE = 1  # flag: forgotten; its payload is zeros and the scan skips it
+_HAS_PARENT = 2
+# magic, format, flags, id (lo, hi), parent (lo, hi), payload length, reserved, payload xxh3, version,
+# expires (unix ms, 0: never)
+_FIELDS = struct.Struct("<4sHHQQQQIIQQQ")
+_HEADER = struct.Struct(f"<{_FIELDS.size}sQ")  # the fields and their xxh3-64: 80 bytes
 HEADER_BYTES = _HEADER.size
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM}
 _MASK = (1 << 64) - 1
+_ZEROS = bytes(1 << 20)
 
 
-class Outcome(Enum):
-    HIT = "hit"
-    MISS = "miss"
-    CORRUPTED = "corrupted"  # was on disk, failed its checksum (or could not be read): dropped
+class DiskInUse(RuntimeError):
+    """Another process owns the directory."""
 
 
 @dataclass(slots=True)
@@ -73,6 +86,8 @@ class _Record:
     nbytes: int
     digest: int
     parent: BlockId | None
+    version: int
+    expires_ms: int  # 0: never
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +102,8 @@ class DiskStats:
     misses: int
     corrupted: int  # records dropped on read (bad checksum, short read) or cut at start (torn)
     evicted_blocks: int
+    forgotten: int  # on demand
+    expired: int
     disabled: str  # why the tier stopped writing, "" while it works
 
     def as_dict(self) -> dict[str, int | str]:
@@ -97,24 +114,58 @@ def _split(block_id: int) -> tuple[int, int]:
     return block_id & _MASK, block_id >> 64
 
 
-def _header(block_id: BlockId, parent: BlockId | None, payload_len: int, digest: int) -> bytes:
-    fields = _FIELDS.pack(MAGIC, FORMAT, 0, *_split(block_id), *_split(parent or 0), parent is not None,
-                          payload_len, digest)
+def _header(block_id: BlockId, parent: BlockId | None, payload_len: int, digest: int, version: int,
+            expires_ms: int, flags: int = 0) -> bytes:
+    flags |= _HAS_PARENT if parent is not None else 0
+    fields = _FIELDS.pack(MAGIC, FORMAT, flags, *_split(block_id), *_split(parent or 0), payload_len, 0, digest,
+                          version, expires_ms)
     return _HEADER.pack(fields, xxhash.xxh3_64_intdigest(fields))
 
 
-def _parse(raw: bytes) -> tuple[BlockId, BlockId | None, int, int] | None:
-    """(id, parent, payload length, payload digest) of a header, or None if it is not one."""
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    block_id: BlockId
+    parent: BlockId | None
+    length: int
+    digest: int
+    version: int
+    expires_ms: int
+    flags: int
+
+
+def _parse(raw: bytes) -> _Parsed | None:
+    """A record's header, or None if it is not one."""
     if len(raw) < HEADER_BYTES:
         return None
     fields, digest = _HEADER.unpack(raw[:HEADER_BYTES])
     if xxhash.xxh3_64_intdigest(fields) != digest:
         return None
-    magic, version, _, id_lo, id_hi, parent_lo, parent_hi, has_parent, length, payload_digest = _FIELDS.unpack(fields)
+    magic, version, flags, id_lo, id_hi, parent_lo, parent_hi, length, _, payload_digest, block_version, expires = \
+        _FIELDS.unpack(fields)
     if magic != MAGIC or version != FORMAT:
         return None
-    parent = (parent_hi << 64 | parent_lo) if has_parent else None
-    return id_hi << 64 | id_lo, parent, length, payload_digest
+    parent = (parent_hi << 64 | parent_lo) if flags & _HAS_PARENT else None
+    return _Parsed(id_hi << 64 | id_lo, parent, length, payload_digest, block_version, expires, flags)
+
+
+def _buffers(data) -> list[memoryview]:
+    """One buffer or a sequence of them, as byte views."""
+    if isinstance(data, (list, tuple)):
+        return [memoryview(part).cast("B") for part in data]
+    return [memoryview(data).cast("B")]
+
+
+def _digest(parts: list[memoryview]) -> int:
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 class DiskTier:
@@ -136,13 +187,28 @@ class DiskTier:
         self._segment_blocks: dict[int, set[BlockId]] = {}
         self._segment_used: dict[int, int] = {}  # segment -> its last use (a tick)
         self._sizes: dict[int, int] = {}
+        self._readers: dict[int, int] = {}  # segment -> a file descriptor open for reading
         self._tick = 0
         self._head: int | None = None  # the segment being appended to
         self._head_file = None
-        self._counts = dict.fromkeys(("writes", "reads", "hits", "misses", "corrupted", "evicted_blocks"), 0)
+        self._counts = dict.fromkeys(("writes", "reads", "hits", "misses", "corrupted", "evicted_blocks",
+                                      "forgotten", "expired"), 0)
         self.disabled = ""
+        self.max_version = 0  # the highest version of any record found or written
         self.path.mkdir(parents=True, exist_ok=True)
+        self._owner = self._own(self.path)
         self._rebuild()
+
+    @staticmethod
+    def _own(path: Path) -> int:
+        fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DiskInUse(f"another process uses the KV disk tier at {path} (two stages cannot share one "
+                            f"directory: give each its own disk_path)") from None
+        return fd
 
     # --- the index from the files --------------------------------------------------------------
 
@@ -157,8 +223,9 @@ class DiskTier:
             self._segment_used[segment] = self._next_tick()
             end = self._scan(segment)
             self._sizes[segment] = end
+        expired = self._expire_locked(_now_ms())
         log.info("kv.disk.opened", path=str(self.path), blocks=len(self._index), segments=len(segments),
-                 corrupted=self._counts["corrupted"])
+                 corrupted=self._counts["corrupted"], expired=expired)
 
     def _scan(self, segment: int) -> int:
         """Index the records of one segment; returns where its whole records end (the file is cut
@@ -169,15 +236,15 @@ class DiskTier:
             while at + HEADER_BYTES <= size:
                 f.seek(at)
                 parsed = _parse(f.read(HEADER_BYTES))
-                if parsed is None:
+                if parsed is None or parsed.length != self.block_bytes or at + HEADER_BYTES + parsed.length > size:
                     break
-                block_id, parent, length, digest = parsed
-                if length != self.block_bytes or at + HEADER_BYTES + length > size:
-                    break
-                self._forget(block_id)  # a later copy of the same block wins
-                self._index[block_id] = _Record(segment, at + HEADER_BYTES, length, digest, parent)
-                self._segment_blocks[segment].add(block_id)
-                at += HEADER_BYTES + length
+                if not parsed.flags & TOMBSTONE:
+                    self._forget(parsed.block_id)  # a later copy of the same block wins
+                    self._index[parsed.block_id] = _Record(segment, at + HEADER_BYTES, parsed.length, parsed.digest,
+                                                           parsed.parent, parsed.version, parsed.expires_ms)
+                    self._segment_blocks[segment].add(parsed.block_id)
+                self.max_version = max(self.max_version, parsed.version)
+                at += HEADER_BYTES + parsed.length
         if at < size:
             self._counts["corrupted"] += 1
             log.warning("kv.disk.torn", segment=str(file), kept_bytes=at, dropped_bytes=size - at)
@@ -189,24 +256,30 @@ class DiskTier:
 
     # --- writing -----------------------------------------------------------------------------------
 
-    def put(self, block_id: BlockId, parent: BlockId | None, payload) -> bool:
-        """Append block ``block_id`` (``payload``: ``block_bytes`` bytes, any buffer); True once it
-        is on disk and indexed, False if it was there already or the tier is off. Evicts the least
-        recently used segments beyond the capacity first."""
-        data = memoryview(payload).cast("B")
-        if data.nbytes != self.block_bytes:
-            raise ValueError(f"a block is {self.block_bytes} bytes, got {data.nbytes}")
-        digest = xxhash.xxh3_64_intdigest(data)
+    def put(self, block_id: BlockId, parent: BlockId | None, payload, *, version: int = 0,
+            expires_at: float = 0.0) -> bool:
+        """Append block ``block_id`` (``payload``: ``block_bytes`` bytes, one buffer or a sequence);
+        True once it is on disk and indexed, False if that version is there already or the tier is
+        off. A new version of a stored block replaces it. ``expires_at``: a unix time after which
+        it is never served (0: never). Evicts the least recently used segments beyond the capacity
+        first. Blocking: call it off the event loop."""
+        parts = _buffers(payload)
+        nbytes = sum(part.nbytes for part in parts)
+        if nbytes != self.block_bytes:
+            raise ValueError(f"a block is {self.block_bytes} bytes, got {nbytes}")
+        digest = _digest(parts)
+        expires_ms = int(expires_at * 1000) if expires_at else 0
         with self._lock:
-            if self.disabled or block_id in self._index:
+            held = self._index.get(block_id)
+            if self.disabled or (held is not None and held.version == version):
                 return False
             try:
                 segment, offset = self._room()
-                written = os.pwritev(self._head_file.fileno(), [_header(block_id, parent, data.nbytes, digest), data],
-                                     offset)
-                if written != HEADER_BYTES + data.nbytes:  # the rest would not fit (the scan cuts this tail)
+                header = _header(block_id, parent, nbytes, digest, version, expires_ms)
+                written = os.pwritev(self._head_file.fileno(), [header, *parts], offset)
+                if written != HEADER_BYTES + nbytes:  # the rest would not fit (the scan cuts this tail)
                     raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: a short write, {written} of "
-                                                f"{HEADER_BYTES + data.nbytes} bytes")
+                                                f"{HEADER_BYTES + nbytes} bytes")
             except OSError as exc:
                 if exc.errno not in _FULL:
                     raise
@@ -214,10 +287,13 @@ class DiskTier:
                 log.warning("kv.disk.disabled", path=str(self.path), error=str(exc),
                             hint="the store goes on in memory only")
                 return False
-            self._sizes[segment] = offset + HEADER_BYTES + data.nbytes
-            self._index[block_id] = _Record(segment, offset + HEADER_BYTES, data.nbytes, digest, parent)
+            if held is not None:
+                self._bury(block_id)  # the older version
+            self._sizes[segment] = offset + HEADER_BYTES + nbytes
+            self._index[block_id] = _Record(segment, offset + HEADER_BYTES, nbytes, digest, parent, version, expires_ms)
             self._segment_blocks[segment].add(block_id)
             self._segment_used[segment] = self._next_tick()
+            self.max_version = max(self.max_version, version)
             self._counts["writes"] += 1
             return True
 
@@ -250,46 +326,66 @@ class DiskTier:
         if not others:
             return False
         victim = min(others, key=self._segment_used.__getitem__)
-        for block_id in self._segment_blocks.pop(victim, set()):
-            if self._index.get(block_id) is not None and self._index[block_id].segment == victim:
-                del self._index[block_id]
+        for block_id in self._segment_blocks.get(victim, set()).copy():
+            if self._forget(block_id):
                 self._counts["evicted_blocks"] += 1
-        self._sizes.pop(victim)
-        self._segment_used.pop(victim, None)
+        self._delete_segment(victim)
+        return True
+
+    def _delete_segment(self, segment: int) -> None:
+        self._segment_blocks.pop(segment, None)
+        self._sizes.pop(segment, None)
+        self._segment_used.pop(segment, None)
+        fd = self._readers.pop(segment, None)
+        if fd is not None:
+            os.close(fd)
         try:
-            self._file(victim).unlink()
+            self._file(segment).unlink()
         except FileNotFoundError:
             pass
-        return True
 
     # --- reading -----------------------------------------------------------------------------------
 
     def __contains__(self, block_id: BlockId) -> bool:
-        return block_id in self._index
+        record = self._index.get(block_id)
+        return record is not None and not (record.expires_ms and record.expires_ms <= _now_ms())
 
     def parent(self, block_id: BlockId) -> BlockId | None:
         record = self._index.get(block_id)
         return None if record is None else record.parent
 
-    def get(self, block_id: BlockId, into) -> Outcome:
-        """Read block ``block_id`` into ``into`` (a writable buffer of ``block_bytes``) and verify
-        it. CORRUPTED drops it from the index (it is never served); ``into`` then holds garbage."""
-        out = memoryview(into).cast("B")
-        if out.nbytes != self.block_bytes:
-            raise ValueError(f"a block is {self.block_bytes} bytes, the buffer {out.nbytes}")
+    def version(self, block_id: BlockId) -> int | None:
+        """The stored version of a block (None if absent)."""
+        record = self._index.get(block_id)
+        return None if record is None else record.version
+
+    def get(self, block_id: BlockId, into, version: int | None = None) -> Outcome:
+        """Read block ``block_id`` into ``into`` (one writable buffer or a sequence, ``block_bytes``
+        in all) and verify it. With ``version``: VERSION_MISMATCH if the block stored is another
+        one. CORRUPTED drops it from the index (it is never served); ``into`` then holds garbage.
+        Blocking: call it off the event loop."""
+        parts = _buffers(into)
+        nbytes = sum(part.nbytes for part in parts)
+        if nbytes != self.block_bytes:
+            raise ValueError(f"a block is {self.block_bytes} bytes, the buffer {nbytes}")
         with self._lock:
             self._counts["reads"] += 1
             record = self._index.get(block_id)
+            if record is not None and record.expires_ms and record.expires_ms <= _now_ms():
+                self._bury(block_id)
+                self._counts["expired"] += 1
+                record = None
             if record is None:
                 self._counts["misses"] += 1
                 return Outcome.MISS
+            if version is not None and record.version != version:
+                return Outcome.VERSION_MISMATCH
             try:
-                with open(self._file(record.segment), "rb") as f:
-                    read = os.preadv(f.fileno(), [out], record.offset)
+                read = os.preadv(self._reader(record.segment), parts, record.offset)
             except OSError as exc:
                 log.warning("kv.disk.read_failed", block=f"{block_id:032x}", error=str(exc))
                 read = -1
-            if read != record.nbytes or xxhash.xxh3_64_intdigest(out) != record.digest:
+            if read != record.nbytes or _digest(parts) != record.digest:
                 self._forget(block_id)
                 self._counts["corrupted"] += 1
                 log.warning("kv.disk.corrupted", block=f"{block_id:032x}", segment=record.segment)
@@ -298,10 +394,92 @@ class DiskTier:
             self._counts["hits"] += 1
             return Outcome.HIT
 
-    def drop(self, block_id: BlockId) -> bool:
-        """Forget a block (its bytes go with its segment)."""
+    def _reader(self, segment: int) -> int:
+        fd = self._readers.get(segment)
+        if fd is None:
+            fd = self._readers[segment] = os.open(self._file(segment), os.O_RDONLY)
+        return fd
+
+    def expires_at(self, block_id: BlockId) -> float:
+        """When a stored block expires (a unix time; 0: never, or absent)."""
+        record = self._index.get(block_id)
+        return 0.0 if record is None or not record.expires_ms else record.expires_ms / 1000
+
+    def touch(self, ids) -> None:
+        """Mark blocks used (memory served them): their segments are evicted later. Takes no lock
+        (an event loop calls it; a race only makes the LRU order a little less exact)."""
+        tick = self._next_tick()
+        for block_id in ids:
+            record = self._index.get(block_id)
+            if record is not None and record.segment in self._segment_used:
+                self._segment_used[record.segment] = tick
+
+    def descendants(self, ids) -> set[BlockId]:
+        """``ids`` that are stored and every stored block built on them (through recorded parents)."""
         with self._lock:
-            return self._forget(block_id)
+            children: dict[BlockId, list[BlockId]] = {}
+            for block_id, record in self._index.items():
+                if record.parent is not None:
+                    children.setdefault(record.parent, []).append(block_id)
+            found = {block_id for block_id in ids if block_id in self._index}
+            todo = list(found)
+            while todo:
+                for child in children.get(todo.pop(), ()):
+                    if child not in found:
+                        found.add(child)
+                        todo.append(child)
+            return found
+
+    # --- forgetting ----------------------------------------------------------------------------
+
+    def forget(self, ids=None) -> int:
+        """Forget blocks ``ids`` (every block when None), overwriting their bytes: zeros and a
+        tombstone where they lie, or the segment files deleted. How many were there."""
+        with self._lock:
+            if ids is None:
+                n = len(self._index)
+                self._close_head()
+                self._head = None
+                for segment in list(self._sizes):
+                    self._delete_segment(segment)
+                self._index.clear()
+            else:
+                n = sum(self._bury(block_id) for block_id in ids)
+            self._counts["forgotten"] += n
+            return n
+
+    def expire(self) -> int:
+        """Forget (and overwrite) every block past its expiry; how many."""
+        with self._lock:
+            return self._expire_locked(_now_ms())
+
+    def _expire_locked(self, now_ms: int) -> int:
+        gone = [block_id for block_id, r in self._index.items() if r.expires_ms and r.expires_ms <= now_ms]
+        for block_id in gone:
+            self._bury(block_id)
+        self._counts["expired"] += len(gone)
+        return len(gone)
+
+    def _bury(self, block_id: BlockId) -> bool:
+        """Drop a block from the index and overwrite it on disk: a tombstone header (the scan skips
+        it) and zeros for its payload (call under the lock)."""
+        record = self._index.get(block_id)
+        if record is None:
+            return False
+        self._forget(block_id)
+        header = _header(block_id, record.parent, record.nbytes, 0, record.version, record.expires_ms, TOMBSTONE)
+        try:
+            fd = os.open(self._file(record.segment), os.O_WRONLY)
+            try:
+                os.pwrite(fd, header, record.offset - HEADER_BYTES)
+                at, end = record.offset, record.offset + record.nbytes
+                while at < end:
+                    at += os.pwrite(fd, _ZEROS[: min(len(_ZEROS), end - at)], at)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # gone from the index all the same; the bytes stay until the segment goes
+            log.warning("kv.disk.overwrite_failed", block=f"{block_id:032x}", error=str(exc))
+        return True
 
     def _forget(self, block_id: BlockId) -> bool:
         record = self._index.pop(block_id, None)
@@ -322,10 +500,17 @@ class DiskTier:
             return DiskStats(blocks=len(self._index), bytes_used=sum(self._sizes.values()),
                              bytes_capacity=self.capacity_bytes, segments=len(self._sizes), writes=c["writes"],
                              reads=c["reads"], hits=c["hits"], misses=c["misses"], corrupted=c["corrupted"],
-                             evicted_blocks=c["evicted_blocks"], disabled=self.disabled)
+                             evicted_blocks=c["evicted_blocks"], forgotten=c["forgotten"], expired=c["expired"],
+                             disabled=self.disabled)
 
     def close(self) -> None:
-        """Sync and close the segment being written (idempotent)."""
+        """Sync and close the segment being written, the readers and the directory's lock (idempotent)."""
         with self._lock:
             self._close_head()
             self._head = None
+            for fd in self._readers.values():
+                os.close(fd)
+            self._readers.clear()
+            if self._owner >= 0:
+                os.close(self._owner)
+                self._owner = -1

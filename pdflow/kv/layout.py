@@ -10,7 +10,10 @@ than the layer that computed them) and attention reads them back as a strided vi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -46,6 +49,17 @@ class KvLayout:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return cls(config.num_hidden_layers, kv_heads, head_dim, dtype)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, dtype: str = "float32") -> "KvLayout":
+        """From a model directory's ``config.json``, read as plain JSON: a stage that only needs
+        the shape of the KV need not import transformers (seconds of start-up)."""
+        path = Path(model_dir) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the model's shape from {path}: {exc}") from None
+        return cls.from_config(SimpleNamespace(**config), dtype)
 
     @property
     def itemsize(self) -> int:

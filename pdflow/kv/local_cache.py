@@ -46,19 +46,19 @@ class LocalPrefixCache:
                 self.store.release(owner)
 
     def keep(self, token_ids: list[int], first_block: int, keys: Sequence[torch.Tensor],
-             values: Sequence[torch.Tensor]) -> int:
+             values: Sequence[torch.Tensor], keep_s: float | None = None) -> int:
         """Store the full blocks of ``token_ids`` from block ``first_block`` on, whose KV is given
         (per layer, token-major, from token ``first_block * block_tokens``); blocks already stored
         are skipped. Returns how many were added (0 when the store is full of pinned blocks or
-        the blocks before ``first_block`` are gone)."""
+        the blocks before ``first_block`` are gone). ``keep_s``: how long (0: not at all)."""
         ids = self.hasher.ids(token_ids)
-        if len(ids) <= first_block:
+        if len(ids) <= first_block or keep_s == 0:
             return 0
         owner = ("keep", id(keys))
         bt = self.block_tokens
         with self._lock:
             try:
-                lease = self.store.lease(owner, ids, verify=False, count=False)
+                lease = self.store.lease(owner, ids, verify=False, count=False, keep_s=keep_s)
             except StoreFull:
                 return 0
             try:
@@ -69,6 +69,14 @@ class LocalPrefixCache:
                 return sum(self.store.commit(lease, i) for i in range(lease.hit, len(ids)))
             finally:
                 self.store.release(owner)
+
+    def forget(self, token_ids: list[int] | None) -> int:
+        """Drop the KV of a prefix of ``token_ids`` and all built on it (None: everything); how many blocks."""
+        ids = None if token_ids is None else self.hasher.ids(token_ids)
+        if ids == []:
+            return 0
+        with self._lock:
+            return self.store.forget(ids)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

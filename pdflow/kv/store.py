@@ -27,7 +27,15 @@ Rules:
   in use it evicts down to ``low_watermark``, and a full store evicts rather than refuse; only a
   request that cannot fit even then gets :class:`StoreFull`;
 - every committed block keeps a checksum per layer and kind; a lease verifies the prefix it pins
-  and drops a block that fails (with every block below it), so the request recomputes it.
+  and drops a block that fails (with every block below it), so the request recomputes it;
+- every committed block has a version (a counter over the store, carried to and from the disk
+  tier), and may have an expiry (``block_ttl_s`` for the store, ``keep_s`` for one lease's
+  blocks: 0 keeps none). An expired block is never found again and its slot is reclaimed; one
+  that a lease still pins stays readable to that lease until it lets go. :meth:`KvStore.put` with
+  ``replace`` makes a new version of a stored block; a reader of the old one that pinned it keeps
+  its bytes; :meth:`KvStore.get` with ``versions`` raises :class:`~pdflow.kv.outcomes.Miss`,
+  :class:`~pdflow.kv.outcomes.VersionMismatch` or :class:`~pdflow.kv.outcomes.Corrupted`;
+- :meth:`KvStore.forget` drops blocks on demand (a prefix and everything built on it, or all).
 
 Not thread-safe: one event loop (or one thread) owns a store.
 """
@@ -35,6 +43,7 @@ Not thread-safe: one event loop (or one thread) owns a store.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +54,7 @@ from pdflow.kv.arena import ArenaLayout, anonymous_memory
 from pdflow.kv.blocks import BlockId
 from pdflow.kv.checksum import checksum
 from pdflow.kv.layout import KvLayout
+from pdflow.kv.outcomes import Corrupted, Miss, VersionMismatch
 from pdflow.transports.regions import byte_view
 
 __all__ = ["KvStore", "Lease", "StoreFull", "StoreStats"]
@@ -61,6 +71,8 @@ class _Block:
     parent: _Block | None
     tick: int
     checksums: list[int]
+    version: int
+    expires: float = math.inf  # on the store's clock
     children: int = 0
     pins: int = 0
     detached: bool = False  # dropped from the index while pinned: its slot is freed at the last unpin
@@ -78,6 +90,7 @@ class Lease:
     deadline: float
     pinned: list[_Block] = field(default_factory=list)
     private: set[int] = field(default_factory=set)  # slots written by the holder, not (yet) indexed
+    keep_s: float | None = None  # how long the blocks it commits are kept (None: the store's block_ttl_s)
 
     @property
     def new_slots(self) -> list[int]:
@@ -104,6 +117,9 @@ class StoreStats:
     leases: int
     pinned_blocks: int
     blocks_quarantined: int  # released by a holder that may still be writing them: free after a while
+    expired: int  # blocks dropped past their expiry
+    forgotten: int  # blocks dropped on demand
+    version: int  # the latest version given to a block
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -120,6 +136,8 @@ class KvStore:
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
         lease_ttl_s: float = 300.0,
+        block_ttl_s: float = math.inf,
+        first_version: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
@@ -137,16 +155,20 @@ class KvStore:
         self.high = int(high_watermark * self.layout.num_slots)
         self.low = int(low_watermark * self.layout.num_slots)
         self.lease_ttl_s = lease_ttl_s
+        self.block_ttl_s = block_ttl_s
         self.clock = clock
+        self.on_commit: Callable[[BlockId], None] | None = None  # told of every block indexed (the disk tier's writer)
         self._free = list(range(self.layout.num_slots))  # a heap: low slots first, so runs stay long
         self._index: dict[BlockId, _Block] = {}
         self._evictable: list[tuple[int, BlockId]] = []  # heap of (tick, id); stale entries skipped
         self._leases: dict[Hashable, Lease] = {}
         self._quarantined: list[tuple[float, int]] = []  # heap of (free from, slot)
+        self._expiring: list[tuple[float, int, BlockId]] = []  # heap of (expires, version, id) of mortal blocks
         self._pinned = 0  # indexed blocks with pins > 0
         self._tick = 0
-        self._counts = dict.fromkeys(
-            ("lookups", "hits", "misses", "hit_blocks", "commits", "evictions", "checksum_failures"), 0)
+        self._version = first_version - 1
+        self._counts = dict.fromkeys(("lookups", "hits", "misses", "hit_blocks", "commits", "evictions",
+                                      "checksum_failures", "expired", "forgotten"), 0)
 
     # --- finding -------------------------------------------------------------------------------
 
@@ -157,17 +179,37 @@ class KvStore:
         return hit
 
     def __contains__(self, block_id: BlockId) -> bool:
-        return block_id in self._index
+        block = self._index.get(block_id)
+        return block is not None and block.expires > self.clock()
 
     def _prefix(self, ids: Sequence[BlockId]) -> int:
-        hit = 0
+        hit, now = 0, self.clock()
         for block_id in ids:
             block = self._index.get(block_id)
             if block is None:
                 break
+            if block.expires <= now:  # never served: gone, with what hangs from it
+                self._counts["expired"] += self._drop_trees({block_id})
+                break
             self._touch(block)
             hit += 1
         return hit
+
+    def versions(self, ids: Sequence[BlockId]) -> list[int]:
+        """The versions of the leading stored blocks of ``ids`` (what a reader pins to read later)."""
+        out = []
+        for block_id in ids:
+            if block_id not in self:
+                break
+            out.append(self._index[block_id].version)
+        return out
+
+    def block_info(self, block_id: BlockId) -> tuple[int, BlockId | None, int, float] | None:
+        """(slot, parent id, version, expiry on the store's clock) of a stored block, or None."""
+        block = self._index.get(block_id)
+        if block is None:
+            return None
+        return block.slot, None if block.parent is None else block.parent.id, block.version, block.expires
 
     def _count_lookup(self, hit: int) -> None:
         self._counts["lookups"] += 1
@@ -178,7 +220,7 @@ class KvStore:
 
     def lease(self, owner: Hashable, ids: Sequence[BlockId], extra_slots: int = 0, *, verify: bool = True,
               ttl_s: float | None = None, count: bool = True, write: bool = True,
-              max_hit: int | None = None) -> Lease:
+              max_hit: int | None = None, keep_s: float | None = None) -> Lease:
         """Pin the longest cached prefix of ``ids`` and take a slot for each block after it, plus
         ``extra_slots`` (e.g. a partial last block), evicting as needed.
 
@@ -188,6 +230,8 @@ class KvStore:
         ``count``: whether this is a lookup for the hit and miss stats. ``write=False``: a reader
         only, no slots taken (``slots`` is the hit's). ``max_hit``: at most this many blocks hit (the
         rest get slots to be written, e.g. a last block whose token must be computed anyway).
+        ``keep_s``: how long the blocks this lease commits are kept (0: not at all; None: the
+        store's ``block_ttl_s``).
         """
         if owner in self._leases:
             raise ValueError(f"{owner!r} already holds a lease")
@@ -210,7 +254,8 @@ class KvStore:
                 self._unpin(block)
             raise
         deadline = self.clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
-        lease = Lease(owner, list(ids), hit, [b.slot for b in hit_blocks] + fresh, deadline, hit_blocks, set(fresh))
+        lease = Lease(owner, list(ids), hit, [b.slot for b in hit_blocks] + fresh, deadline, hit_blocks, set(fresh),
+                      keep_s)
         self._leases[owner] = lease
         return lease
 
@@ -237,27 +282,43 @@ class KvStore:
         lease.private.update(fresh)
         return fresh
 
-    def commit(self, lease: Lease, index: int) -> bool:
+    def commit(self, lease: Lease, index: int, *, replace: bool = False, version: int | None = None,
+               keep_s: float | None = None) -> bool:
         """Index block ``index`` of ``lease`` (its bytes are in ``lease.slots[index]``); the lease
-        keeps it pinned. False when it was not indexed: its parent is gone, or the id is stored
-        already (the stored copy stays; this slot is freed at release)."""
+        keeps it pinned. False when it was not indexed: its parent is gone, the id is stored already
+        (the stored copy stays, unless ``replace``: then this is its new version; this slot is
+        freed at release), or the lease keeps nothing. ``version`` and ``keep_s`` (else the lease's)
+        are for a block coming back from another tier with its own."""
         slot = lease.slots[index]
         block_id = lease.ids[index]
-        if slot not in lease.private or block_id in self._index:
+        keep = keep_s if keep_s is not None else lease.keep_s if lease.keep_s is not None else self.block_ttl_s
+        old = self._index.get(block_id)
+        if slot not in lease.private or (old is not None and not replace) or keep <= 0:
             return False
         parent = None
         if index:
             parent = self._index.get(lease.ids[index - 1])
             if parent is None:
                 return False
-        block = _Block(block_id, slot, parent, self._next_tick(), self._checksums(slot))
+        if version is None:
+            version = self._version = self._version + 1
+        else:
+            self._version = max(self._version, version)
+        block = _Block(block_id, slot, parent, self._next_tick(), self._checksums(slot), version,
+                       self.clock() + keep)
+        if old is not None:
+            self._retire(old, block)
         self._index[block_id] = block
+        if math.isfinite(block.expires):
+            heapq.heappush(self._expiring, (block.expires, version, block_id))
         if parent is not None:
             parent.children += 1
         lease.private.discard(slot)
         self._pin(block)
         lease.pinned.append(block)
         self._counts["commits"] += 1
+        if self.on_commit is not None:
+            self.on_commit(block_id)
         return True
 
     def release(self, owner: Hashable, quarantine_s: float = 0.0) -> bool:
@@ -284,33 +345,68 @@ class KvStore:
         gone = [owner for owner, lease in self._leases.items() if lease.deadline <= now]
         for owner in gone:
             self.release(owner, quarantine_s)
+        self._expire_blocks(now)
         return gone
+
+    def _expire_blocks(self, now: float) -> None:
+        """Drop every block past its expiry (pinned ones stay readable to their holders)."""
+        doomed = set()
+        while self._expiring and self._expiring[0][0] <= now:
+            _, version, block_id = heapq.heappop(self._expiring)
+            block = self._index.get(block_id)
+            if block is not None and block.version == version:
+                doomed.add(block_id)
+        if doomed:
+            self._counts["expired"] += self._drop_trees(doomed)
+
+    def forget(self, ids: Sequence[BlockId] | None = None) -> int:
+        """Drop blocks ``ids`` and every block built on them (None: every block); how many went.
+        Pinned ones stay readable to their holders, then their slots are freed."""
+        roots = set(self._index) if ids is None else {block_id for block_id in ids if block_id in self._index}
+        n = self._drop_trees(roots) if roots else 0
+        self._counts["forgotten"] += n
+        return n
 
     # --- the plain API: whole blocks in and out -------------------------------------------------
 
-    def put(self, ids: Sequence[BlockId], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> int:
+    def put(self, ids: Sequence[BlockId], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *,
+            replace: bool = False, keep_s: float | None = None) -> int:
         """Store blocks ``ids`` (a chain: ``ids[0]``'s parent, if any, must be stored) from
         per-layer keys and values, each ``(len(ids) * block_tokens, kv_heads, head_dim)``.
-        Returns how many were new. Raises StoreFull."""
+        ``replace``: blocks stored already get these bytes as a new version. Returns how many were
+        stored. Raises StoreFull."""
         owner = ("put", object())
-        lease = self.lease(owner, ids, verify=False, count=False)
+        lease = self.lease(owner, ids, verify=False, count=False, max_hit=0 if replace else None, keep_s=keep_s)
         try:
             bt = self.block_tokens
             for i in range(lease.hit, len(ids)):
                 for layer in range(self.layout.kv.num_layers):
                     self.blocks[layer, 0, lease.slots[i]] = keys[layer][i * bt : (i + 1) * bt]
                     self.blocks[layer, 1, lease.slots[i]] = values[layer][i * bt : (i + 1) * bt]
-            return sum(self.commit(lease, i) for i in range(lease.hit, len(ids)))
+            return sum(self.commit(lease, i, replace=replace) for i in range(lease.hit, len(ids)))
         finally:
             self.release(owner)
 
-    def get(self, ids: Sequence[BlockId]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of blocks ``ids``: per layer, keys and values ``(len(ids) * block_tokens, kv_heads,
-        head_dim)``. KeyError for an id not stored."""
-        slots = [self._index[block_id].slot for block_id in ids]
-        for block_id in ids:
-            self._touch(self._index[block_id])
-        return self.read(slots, len(ids) * self.block_tokens)
+    def get(self, ids: Sequence[BlockId], versions: Sequence[int] | None = None
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of blocks ``ids`` (checksums verified): per layer, keys and values
+        ``(len(ids) * block_tokens, kv_heads, head_dim)``. Raises :class:`Miss` for a block not
+        stored (or expired), :class:`VersionMismatch` if ``versions`` (what the reader pinned) names
+        another one than is stored, :class:`Corrupted` for a block failing its checksum (dropped)."""
+        blocks = []
+        for i, block_id in enumerate(ids):
+            if block_id not in self:
+                raise Miss(block_id)
+            block = self._index[block_id]
+            if versions is not None and block.version != versions[i]:
+                raise VersionMismatch(block_id, f"version {versions[i]} was replaced by {block.version}")
+            if not self._verify(block):
+                self._drop(block)
+                raise Corrupted(block_id)
+            blocks.append(block)
+        for block in blocks:
+            self._touch(block)
+        return self.read([block.slot for block in blocks], len(ids) * self.block_tokens)
 
     def read(self, slots: Sequence[int], num_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The first ``num_tokens`` tokens held by ``slots``, copied: per layer keys and values."""
@@ -350,9 +446,26 @@ class KvStore:
             if block is not None and block.pins:
                 self._unpin(block)
 
+    def hold(self, block_id: BlockId) -> object | None:
+        """Pin one stored block until :meth:`let_go` of what this returns (None if not stored):
+        unlike :meth:`unpin`, that finds the block even if it was forgotten or replaced meanwhile."""
+        block = self._index.get(block_id)
+        if block is not None:
+            self._pin(block)
+        return block
+
+    def let_go(self, held: object) -> None:
+        self._unpin(held)
+
     def span(self, offset: int, nbytes: int) -> memoryview:
         """Bytes ``[offset, offset + nbytes)`` of the arena (what a transport sends from)."""
         return self._bytes[offset : offset + nbytes]
+
+    def slot_spans(self, slot: int) -> list[memoryview]:
+        """A slot's bytes, layer by layer, keys then values: a whole block, as the disk tier holds it."""
+        layout, span = self.layout, self.layout.slot_span
+        return [self._bytes[o : o + span]
+                for o in (layout.offset(layer, kind, slot) for layer in range(layout.kv.num_layers) for kind in (0, 1))]
 
     # --- stats ---------------------------------------------------------------------------------
 
@@ -367,7 +480,8 @@ class KvStore:
             block_tokens=self.block_tokens, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
             hit_blocks=c["hit_blocks"], hit_tokens=c["hit_blocks"] * self.block_tokens, commits=c["commits"],
             evictions=c["evictions"], checksum_failures=c["checksum_failures"], leases=len(self._leases),
-            pinned_blocks=self._pinned, blocks_quarantined=len(self._quarantined),
+            pinned_blocks=self._pinned, blocks_quarantined=len(self._quarantined), expired=c["expired"],
+            forgotten=c["forgotten"], version=self._version,
         )
 
     # --- inside ----------------------------------------------------------------------------------
@@ -449,22 +563,44 @@ class KvStore:
         """Take ``bad`` and every block below it out of the index (a corrupt block's children can
         never be hit); pinned ones are freed at their last unpin."""
         self._counts["checksum_failures"] += 1
-        doomed = {bad.id}
-        changed = True
-        while changed:  # the descendants: blocks whose parent is doomed
-            changed = False
+        self._drop_trees({bad.id})
+
+    def _drop_trees(self, roots: set[BlockId]) -> int:
+        """Take ``roots`` and every block below them out of the index; how many. Pinned ones are
+        freed at their last unpin."""
+        doomed = set(roots)
+        if len(doomed) < len(self._index):  # the descendants, through a map of children made once
+            children: dict[BlockId, list[BlockId]] = {}
             for block in self._index.values():
-                if block.id not in doomed and block.parent is not None and block.parent.id in doomed:
-                    doomed.add(block.id)
-                    changed = True
+                if block.parent is not None:
+                    children.setdefault(block.parent.id, []).append(block.id)
+            todo = list(doomed)
+            while todo:
+                for child in children.get(todo.pop(), ()):
+                    if child not in doomed:
+                        doomed.add(child)
+                        todo.append(child)
         for block_id in doomed:
-            block = self._index[block_id]
-            self._remove(block)
-            if block.pins:
-                block.detached = True
-                self._pinned -= 1
-            else:
-                heapq.heappush(self._free, block.slot)
+            self._detach(self._index[block_id])
+        return len(doomed)
+
+    def _detach(self, block: _Block) -> None:
+        """Out of the index; its slot is free now, or at its last unpin."""
+        self._remove(block)
+        if block.pins:
+            block.detached = True
+            self._pinned -= 1
+        else:
+            heapq.heappush(self._free, block.slot)
+
+    def _retire(self, old: _Block, new: _Block) -> None:
+        """``new`` takes ``old``'s place (a new version): its children hang from ``new`` now."""
+        for block in self._index.values():
+            if block.parent is old:
+                block.parent = new
+                new.children += 1
+        old.children = 0
+        self._detach(old)
 
     def _checksums(self, slot: int) -> list[int]:
         layout, span = self.layout, self.layout.slot_span

@@ -68,6 +68,7 @@ class _Replica:
     restart_at: float | None = None
     in_flight: int = 0
     stats: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -212,7 +213,7 @@ class Launcher:
         rep.last_seen = time.monotonic()
         if isinstance(message, Heartbeat):
             rep.in_flight = message.in_flight
-            rep.stats = message.stats
+            rep.stats, rep.notes = message.stats, message.notes
         elif isinstance(message, ProtocolRefused):
             self.fatal = f"{self._name(rep)} refused a peer: {message.error}"
             log.error("launcher.protocol_mismatch", stage=self._name(rep), error=message.error)
@@ -288,7 +289,7 @@ class Launcher:
         for rep in self.replicas.values():
             pid = rep.process.pid if rep.process else 0
             status = StageStatus(rep.stage, rep.replica, self._state(rep), pid, rep.in_flight, rep.restarts,
-                                 rep.stats)
+                                 rep.stats, rep.notes)
             await self.pub.send(self._encode(status))
 
     @staticmethod

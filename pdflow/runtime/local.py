@@ -46,6 +46,7 @@ class LocalPipeline:
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
         self._in_flight: dict[tuple[str, int], int] = {}
         self._stats: dict[tuple[str, int], dict] = {}
+        self._notes: dict[tuple[str, int], dict] = {}
         self._supervisor: asyncio.Task | None = None
 
     @property
@@ -93,6 +94,7 @@ class LocalPipeline:
             elif isinstance(message, Heartbeat):
                 self._in_flight[(message.stage, message.replica)] = message.in_flight
                 self._stats[(message.stage, message.replica)] = message.stats
+                self._notes[(message.stage, message.replica)] = message.notes
 
     async def _supervise(self) -> None:
         reported: set[tuple[str, int]] = set()
@@ -103,7 +105,7 @@ class LocalPipeline:
                 if isinstance(message, Heartbeat):
                     self._in_flight[(message.stage, message.replica)] = message.in_flight
                     self._stats[(message.stage, message.replica)] = message.stats
-                self._stats[(message.stage, message.replica)] = message.stats
+                    self._notes[(message.stage, message.replica)] = message.notes
             except asyncio.TimeoutError:
                 pass
             for key, task in self._tasks.items():
@@ -120,7 +122,7 @@ class LocalPipeline:
         for key in self.stages:
             state = "restarting" if key in down else "ready"
             self.hub.publish(StageStatus(key[0], key[1], state, os.getpid(), self._in_flight.get(key, 0), 0,
-                                         self._stats.get(key, {})))
+                                         self._stats.get(key, {}), self._notes.get(key, {})))
 
     async def stop(self) -> None:
         """Ingress first (it drains in-flight requests), then the rest."""

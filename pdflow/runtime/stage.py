@@ -19,7 +19,8 @@ before any handler runs, for every message with a ``request_id``:
   on that request's route, of a stage that may send it here: ingress (which admits and cancels),
   a stage whose output the pipeline wires to this one, or, for a RequestFailed, any stage. Only
   ingress cancels. Anything else is dropped and counted (``forged``), so no process can act on
-  a request that is not its own.
+  a request that is not its own. A message about no one request that only ingress may send
+  (``INGRESS_ONLY``: a KV forget) is likewise dropped from anyone else.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import structlog
 
 from pdflow.messages import (
+    INGRESS_ONLY,
     PROTOCOL_VERSION,
     Cancel,
     Heartbeat,
@@ -81,6 +83,7 @@ class Submission:
     route: Route
     resume_ids: tuple[int, ...] = ()  # a migrated request: the tokens generated before (see EgressRequest)
     resume_chars: int = 0
+    kv_ttl_s: float | None = None  # keep this request's KV at most this long (0: not at all)
 
 
 class Stage:
@@ -92,7 +95,8 @@ class Stage:
     types that open a request here (a handler of one that does not open it ends it: what was
     held for it is dropped). ``stateless``: the stage keeps nothing per request (a filter that
     passes each message on), so the table is not applied. ``receives_kv``: the stage has a data
-    port (KV lands here).
+    port (KV lands here). ``holds_kv``: the stage keeps KV across requests and handles
+    :class:`~pdflow.messages.KvForget` (answering :class:`~pdflow.messages.KvForgotten`).
     """
 
     kind: ClassVar[str] = ""
@@ -101,6 +105,7 @@ class Stage:
     opens: ClassVar[tuple[type, ...]] = ()
     stateless: ClassVar[bool] = False
     receives_kv: ClassVar[bool] = False
+    holds_kv: ClassVar[bool] = False
     default_port: ClassVar[int | None] = None
     keys: StageKeys | None = None  # this replica's keys, when it runs as a process of a launcher
 
@@ -142,6 +147,11 @@ class Stage:
 
     def stats(self) -> dict[str, int]:
         """Counters this stage reports with each heartbeat (shown by ``/health``)."""
+        return {}
+
+    def notes(self) -> dict[str, str]:
+        """Conditions in words this stage reports with each heartbeat (shown by ``/health``): what
+        an operator must know that no counter says, e.g. a tier that turned itself off and why."""
         return {}
 
     @staticmethod
@@ -318,6 +328,9 @@ class Stage:
             if kind not in self.opens and request_id not in self.requests:
                 self.requests.hold(request_id, (sender, message))  # checked when it opens
                 return
+        elif kind in INGRESS_ONLY and sender is not None and sender[0] != "ingress":
+            self.forged.drop(message=kind.__name__, sender=sender)
+            return
         handler = table.get(kind)
         if handler is None:
             self.log.warning("bus.unexpected", message=kind.__name__)
@@ -362,7 +375,8 @@ class Stage:
         seq = 0
         while True:
             stats = {**self.stats(), **self.bus.counters(), "control_forged": self.forged.count}
-            await self.bus.send_launcher(Heartbeat(self.ctx.stage, self.replica, seq, self.in_flight(), stats))
+            await self.bus.send_launcher(Heartbeat(self.ctx.stage, self.replica, seq, self.in_flight(), stats,
+                                                   self.notes()))
             self.requests.expire()
             seq += 1
             await asyncio.sleep(self.limits.heartbeat_interval_s)

@@ -34,6 +34,7 @@ from pdflow.serving.openai_protocol import (
     sse,
     usage_chunk,
 )
+from pdflow.serving.admin_api import install_admin
 from pdflow.serving.openapi import install_openapi, route_doc
 
 
@@ -119,6 +120,7 @@ def build_app(ingress) -> FastAPI:
         prompt_ids = await ingress.prompts.completion(req)
         return await _serve(ingress, request, req, prompt_ids, chat=False)
 
+    install_admin(app, ingress, lambda request: read_body(request, limit))
     install_openapi(app)
     return app
 
@@ -150,7 +152,8 @@ async def _serve(ingress, http: Request, req: ChatCompletionRequest | Completion
                  prompt_ids: list[int], chat: bool):
     params, s = _params(ingress, req, len(prompt_ids), chat)
     request_id = new_request_id(chat)
-    pending = await ingress.submit(request_id, prompt_ids, params, s["stop"], s["skip_special_tokens"])
+    pending = await ingress.submit(request_id, prompt_ids, params, s["stop"], s["skip_special_tokens"],
+                                   kv_ttl_s=s["kv_ttl_s"])
     try:
         results = _results(ingress, pending)
         if req.stream:

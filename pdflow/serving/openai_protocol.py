@@ -66,6 +66,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
     skip_special_tokens: bool = True  # extension
+    kv_ttl_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # extension: keep my KV at most this long
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -237,6 +238,7 @@ def sampling_from(req: _Request) -> dict:
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
+        "kv_ttl_s": req.kv_ttl_s,
     }
 
 

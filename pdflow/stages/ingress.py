@@ -30,6 +30,7 @@ from pdflow import routing
 from pdflow.engine import load_tokenizer
 from pdflow.messages import (
     Cancel,
+    KvForgotten,
     RequestFailed,
     Route,
     SamplingParams,
@@ -47,6 +48,7 @@ from pdflow.serving.http_server import HttpServer, http_server
 from pdflow.serving.openai_protocol import ApiError
 from pdflow.serving.prompts import PromptBuilder
 from pdflow.serving.text_stream import TextStream
+from pdflow.stages.kv_admin import KvAdminIngress
 from pdflow.stages.migration import MigratingIngress
 
 _TIMELINES_KEPT = 1000
@@ -71,7 +73,7 @@ class PendingRequest:
     abandoned: bool = False  # cancelled (client gone, failed) while it migrated
 
 
-class IngressStage(MigratingIngress, Stage):
+class IngressStage(MigratingIngress, KvAdminIngress, Stage):
     kind = "ingress"
     outputs = {"stop": "decode"}  # a stop string matched: the stage that decodes stops (see the module doc)
     server: HttpServer | None = None  # set once setup has started the HTTP server
@@ -121,7 +123,8 @@ class IngressStage(MigratingIngress, Stage):
         return super().may_act(sender, message, request_id)
 
     def handlers(self):
-        return {TextDelta: self.on_result, RequestFailed: self.on_result, Tokens: self.on_tokens}
+        return {TextDelta: self.on_result, RequestFailed: self.on_result, Tokens: self.on_tokens,
+                KvForgotten: self.on_forgotten}
 
     async def on_tokens(self, message: Tokens) -> None:
         pending: PendingRequest = self.requests.get(message.request_id)
@@ -168,7 +171,7 @@ class IngressStage(MigratingIngress, Stage):
 
     async def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
-        skip_special_tokens: bool,
+        skip_special_tokens: bool, *, kv_ttl_s: float | None = None,
     ) -> PendingRequest:
         if not self.accepting:
             raise ApiError("the server is shutting down", status=503, type="server_error")
@@ -178,7 +181,7 @@ class IngressStage(MigratingIngress, Stage):
                 status=429, type="rate_limit_error",
             )
         route = self._route(request_id, prompt_ids)
-        submission = Submission(request_id, prompt_ids, params, stop, skip_special_tokens, route)
+        submission = Submission(request_id, prompt_ids, params, stop, skip_special_tokens, route, kv_ttl_s=kv_ttl_s)
         pending = PendingRequest(request_id, route, len(prompt_ids), submission=submission, internal_id=request_id)
         self.requests.open(request_id, pending)
         self.assigned.update(route.replicas.items())
@@ -266,6 +269,7 @@ class IngressStage(MigratingIngress, Stage):
         self.stage_status[f"{stage.display_name}-{message.replica}"] = {
             "state": message.state, "pid": message.pid, "in_flight": message.in_flight,
             "restarts": message.restarts, **({"stats": message.stats} if message.stats else {}),
+            **({"notes": message.notes} if message.notes else {}),
         }
 
     # --- shutting down ----------------------------------------------------------------------

@@ -23,6 +23,13 @@ prefill's forward pass and decode's attention.
 A cancel, a failure or a lease deadline (a holder that died) drops the leases too; the slots the
 request was writing are then reused only after a quarantine (``_LATE_WRITES_S``), since a chunk on
 its way, a forward pass or a decode step computing in place may still write into them.
+
+With a disk tier (``kv.disk_path``) every committed block is also written to disk in the
+background (:mod:`pdflow.kv.tiering`), and a request whose prefix continues on disk past its
+memory hit has those blocks read back into the store before its plan goes out: at once when it
+arrives (``kv.prefetch``; prefill is usually busy with earlier requests then, so the read overlaps
+the queue), or when prefill says it is about to compute it (``PlanWanted``). A restart finds what
+was on disk; the leases of requests in flight die with the process that held them.
 """
 
 from __future__ import annotations
@@ -32,23 +39,27 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
-from transformers import AutoConfig
 
 from pdflow import transports
 from pdflow.kv.arena import ArenaLayout
 from pdflow.kv.blocks import BlockHasher, answer_blocks, reusable_blocks
 from pdflow.kv.chunks import between_slots, from_slots, slot_of, tokens_of_run
+from pdflow.kv.disk import DiskInUse, DiskTier
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
 from pdflow.kv.store import KvStore, Lease, StoreFull
+from pdflow.kv.tiering import DiskBackedStore
 from pdflow.messages import (
     KvChunkHeader,
     KvDestination,
     KvExpected,
+    KvForget,
+    KvForgotten,
     KvInPlace,
     KvInStore,
     KvPlan,
     KvReleased,
     KvReturnSlots,
+    PlanWanted,
     PrefixDestination,
 )
 from pdflow.runtime.stage import Stage, Submission
@@ -58,6 +69,8 @@ _EXPIRY_INTERVAL_S = 1.0
 _ANSWER_TTL_S = 60.0  # how long decode gets to write an answer's blocks
 _ARRIVING_WAIT_S = 2.0  # how long a request waits for an answer's blocks already on their way
 _LATE_WRITES_S = 3.0  # the slots of a request that ended unfinished are reused only after this long
+_DISK_EXPIRY_EVERY_S = 30.0  # how often expired blocks on disk are overwritten
+_DRAIN_ON_STOP_S = 5.0  # a clean stop writes what is queued for disk, for at most this long
 
 
 @dataclass(slots=True, eq=False)
@@ -76,6 +89,7 @@ class _Entry:
     layer_left: list[int] = field(default_factory=list)  # per layer: tokens still to land (keys and values)
     layer_in: list[float] = field(default_factory=list)  # per layer: when it was all in
     in_store: bool = False  # decode attends from the request's blocks here (KvInStore sent)
+    plan_wanted: asyncio.Future | None = None  # prefill is about to compute it (PlanWanted), without prefetch
 
     @property
     def route(self):
@@ -91,22 +105,27 @@ class KvShuttleStage(Stage):
     outputs = {"destination": "prefill", "kv": "decode"}
     opens = (KvExpected,)
     receives_kv = True
+    holds_kv = True  # ingress's KvForget comes here
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> KvExpected:
-        return KvExpected(submission.request_id, submission.prompt_ids, submission.route)
+        return KvExpected(submission.request_id, submission.prompt_ids, submission.route, submission.kv_ttl_s)
 
     async def setup(self) -> None:
         topo = self.pipeline
-        config = await asyncio.to_thread(AutoConfig.from_pretrained, self.ctx.model_dir)
-        self.kv = KvLayout.from_config(config, topo.model.dtype)
+        self.kv = KvLayout.from_model_dir(self.ctx.model_dir, topo.model.dtype)
         self.inbound = self.kv_receiver("destination")
         settings = topo.kv
-        size = ArenaLayout.for_capacity(self.kv, settings.block_tokens, settings.store_bytes).nbytes
-        memory = self.inbound.allocate(ARENA, size)  # with shm: a shared segment
+        layout = ArenaLayout.for_capacity(self.kv, settings.block_tokens, settings.store_bytes)
+        memory = self.inbound.allocate(ARENA, layout.nbytes)  # with shm: a shared segment
+        self.disk_off = ""  # why the disk tier is off, where one was asked for
+        disk = await self._open_disk(layout) if settings.disk_path is not None else None
         self.store = KvStore(self.kv, settings.block_tokens, settings.store_bytes, memory=memory,
                              high_watermark=settings.high_watermark, low_watermark=settings.low_watermark,
-                             lease_ttl_s=self.limits.request_timeout_s)
+                             lease_ttl_s=self.limits.request_timeout_s, block_ttl_s=settings.block_ttl_s,
+                             first_version=disk.max_version + 1 if disk is not None else 1)
+        self.tiers = DiskBackedStore(self.store, disk) if disk is not None else None
+        self.prefetch = settings.prefetch
         self.arena, self.memory = self.store.layout, self.store.span(0, self.store.layout.nbytes)
         self.hasher = BlockHasher.for_pipeline(topo)
         self.reuse = settings.prefix_cache
@@ -117,10 +136,34 @@ class KvShuttleStage(Stage):
         self.to_prefill = self.kv_sender("destination")
         self.spawn(self._notice_loop(), essential=True)
         self.spawn(self._expiry_loop(), essential=True)
+        if self.tiers is not None:
+            self.spawn(self.tiers.run(), essential=True)
+            self.spawn(self._disk_expiry_loop(), essential=True)
         self.log.info("store.ready", blocks=self.arena.num_slots, block_tokens=self.arena.block_tokens,
-                      bytes=self.arena.nbytes, prefix_cache=self.reuse)
+                      bytes=self.arena.nbytes, prefix_cache=self.reuse,
+                      disk=str(self.tiers.disk.path) if self.tiers is not None else self.disk_off or "none")
+
+    async def _open_disk(self, layout: ArenaLayout) -> DiskTier | None:
+        """This replica's disk tier: its own directory under ``kv.disk_path`` for this KV layout
+        (blocks of another model shape never meet). None, with one warning, if it cannot be had."""
+        settings, kv = self.pipeline.kv, self.kv
+        shape = f"{kv.num_layers}x{kv.num_kv_heads}x{kv.head_dim}-{kv.dtype}-{layout.block_tokens}t"
+        where = settings.disk_path / shape / f"{self.ctx.stage}-{self.replica}"
+        try:
+            return await asyncio.to_thread(DiskTier, where, settings.disk_capacity, layout.block_bytes,
+                                           segment_bytes=settings.disk_segment_bytes)
+        except (OSError, DiskInUse) as exc:
+            self.disk_off = f"{exc}"
+            self.log.warning("store.disk_off", path=str(where), error=str(exc), hint="the store goes on in memory only")
+            return None
 
     async def teardown(self) -> None:
+        if self.tiers is not None:
+            try:
+                await asyncio.wait_for(self.tiers.drain(), _DRAIN_ON_STOP_S)
+            except asyncio.TimeoutError:
+                self.log.warning("store.disk_drain_timeout", queued=self.tiers.stats().spill_queued)
+            await asyncio.to_thread(self.tiers.disk.close)
         await self.inbound.aclose()
         await self.to_decode.aclose()
         await self.to_prefill.aclose()
@@ -129,11 +172,23 @@ class KvShuttleStage(Stage):
         return {
             KvExpected: self.on_expected, PrefixDestination: self.on_prefix_destination,
             KvDestination: self.on_decode_destination, KvInPlace: self.on_decode_destination,
-            KvReleased: self.on_released,
+            KvReleased: self.on_released, PlanWanted: self.on_plan_wanted, KvForget: self.on_forget,
         }
 
     def stats(self) -> dict[str, int]:
-        return {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill)}
+        stats = {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill)}
+        if self.tiers is not None:
+            disk = self.tiers.disk.stats()
+            stats.update({(name[:-2] + "_us", int(value * 1e6)) if name.endswith("_s") else (name, value)
+                          for name, value in self.tiers.stats().as_dict().items()})  # (counters are ints)
+            stats.update({f"disk_{name}": value for name, value in disk.as_dict().items() if name != "disabled"})
+            stats["disk_enabled"] = int(not disk.disabled)
+        return stats
+
+    def notes(self) -> dict[str, str]:
+        if self.tiers is not None and self.tiers.disk.disabled:
+            return {"disk": f"off, memory only: {self.tiers.disk.disabled}"}
+        return {"disk": f"off, memory only: {self.disk_off}"} if self.disk_off else {}
 
     # --- a request arrives: lease its blocks, tell prefill what to compute --------------------
 
@@ -161,13 +216,19 @@ class KvShuttleStage(Stage):
                 await asyncio.wait_for(asyncio.shield(arriving), _ARRIVING_WAIT_S)
             except asyncio.TimeoutError:
                 break
-        total = -(-n // bt)
+        total, usable = -(-n // bt), reusable_blocks(len(ids), n, bt)
+        if self.tiers is not None and usable:
+            await self._from_disk(entry, ids, usable)
+            if rid not in self.requests:
+                return  # cancelled meanwhile
         try:
-            lease = self.store.lease(rid, ids, total - len(ids), verify=True, count=self.reuse,
-                                     max_hit=reusable_blocks(len(ids), n, bt))
+            lease = self.store.lease(rid, ids, total - len(ids), verify=True, count=self.reuse, max_hit=usable,
+                                     keep_s=message.keep_s)
         except StoreFull as exc:
             await self.fail(rid, f"the KV store cannot hold this request's {n} tokens: {exc}", message.route)
             return
+        if self.tiers is not None:
+            self.tiers.touch(ids[: lease.hit])
         entry.lease, entry.cached, entry.next_commit = lease, lease.hit * bt, lease.hit
         entry.landed = [0] * (total - lease.hit)
         entry.layer_left = [2 * (n - entry.cached)] * self.kv.num_layers
@@ -178,6 +239,42 @@ class KvShuttleStage(Stage):
         destination = entry.decode_destination
         if entry.cached and destination.done() and not destination.cancelled():
             self._prefix_to_decode(entry, destination.result())
+
+    async def _from_disk(self, entry: _Entry, ids: list[int], usable: int) -> None:
+        """The blocks of the prompt's prefix that follow its memory hit and are on disk, into
+        memory: now (prefetch), or once prefill is about to compute the request."""
+        memory = next((i for i, block_id in enumerate(ids[:usable]) if block_id not in self.store), usable)
+        if not self.tiers.on_disk(ids, memory, usable):
+            return
+        rid = entry.request.request_id
+        if not self.prefetch:
+            entry.plan_wanted = entry.plan_wanted or asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(entry.plan_wanted), self.limits.request_timeout_s)
+            except asyncio.TimeoutError:
+                return
+        began = time.monotonic()
+        loaded = await self.tiers.load(rid, ids, usable)
+        self.log.debug("store.from_disk", request_id=rid, blocks=loaded, ms=round(1000 * (time.monotonic() - began), 2),
+                       prefetch=self.prefetch)
+
+    def on_plan_wanted(self, message: PlanWanted) -> None:
+        entry: _Entry = self.requests.get(message.request_id)
+        entry.plan_wanted = entry.plan_wanted or asyncio.get_running_loop().create_future()
+        if not entry.plan_wanted.done():
+            entry.plan_wanted.set_result(None)
+
+    async def on_forget(self, message: KvForget) -> None:
+        """Drop a prefix's KV (and all built on it), or everything, from memory and disk; say how much."""
+        ids = None if message.everything else self.hasher.ids(message.prompt_ids)
+        if ids == []:
+            memory = disk = 0
+        elif self.tiers is not None:
+            memory, disk = await self.tiers.forget(ids)
+        else:
+            memory, disk = self.store.forget(ids), 0
+        self.log.info("store.forgot", everything=message.everything, memory_blocks=memory, disk_blocks=disk)
+        await self.bus.send("ingress", 0, KvForgotten(message.forget_id, self.ctx.stage, self.replica, memory, disk))
 
     def on_prefix_destination(self, message: PrefixDestination) -> None:
         entry: _Entry = self.requests.get(message.request_id)
@@ -350,7 +447,8 @@ class KvShuttleStage(Stage):
             return
         ids = self.hasher.ids(entry.request.prompt_ids + message.output_ids)[: blocks.stop]
         try:
-            answer = self.store.lease((rid, "answer"), ids, verify=False, count=False, ttl_s=_ANSWER_TTL_S)
+            answer = self.store.lease((rid, "answer"), ids, verify=False, count=False, ttl_s=_ANSWER_TTL_S,
+                                      keep_s=entry.request.keep_s)
         except StoreFull:
             answer = self.store.lease((rid, "answer"), [], verify=False, count=False)  # no room: keep none
         if answer.hit < blocks.start:  # the prompt's blocks are not all stored: the answer's cannot hang there
@@ -408,6 +506,11 @@ class KvShuttleStage(Stage):
         entry.decode_destination.cancel()
         for task in entry.tasks:
             task.cancel()
+
+    async def _disk_expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_DISK_EXPIRY_EVERY_S)
+            await asyncio.to_thread(self.tiers.disk.expire)
 
     async def _expiry_loop(self) -> None:
         while True:

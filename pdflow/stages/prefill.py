@@ -32,7 +32,7 @@ from pdflow.engine.stopping import finish_reason
 from pdflow.kv.arena import ArenaLayout, runs
 from pdflow.kv.chunks import between_slots, into_slots, tokens_of_run
 from pdflow.kv.layout import KEYS, VALUES, torch_dtype
-from pdflow.messages import KvPlan, PrefillDone, PrefillRequest, PrefixDestination, Tokens
+from pdflow.messages import KvPlan, PlanWanted, PrefillDone, PrefillRequest, PrefixDestination, Tokens
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.stages.engine_thread import engine_thread, run_in
 
@@ -70,6 +70,8 @@ class _Job:
     cancelled: bool = False
     send_start: float | None = None  # when its first KV write began
     prefix: _Prefix | None = None
+    dequeued: float = 0.0  # when prefill got to it
+    plan_in: float = 0.0  # when its plan was there (after dequeued: prefill waited for the store)
 
     @property
     def route(self):
@@ -98,6 +100,7 @@ class PrefillStage(Stage):
             torch.device(self.model.device).type == "cpu"
         self.from_shuttle = self.kv_receiver("kv")
         await self.from_shuttle.start()
+        self.plan_on_demand = topo.kv.disk_path is not None and not topo.kv.prefetch
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.by_region: dict[int, _Job] = {}
         self._next_region = 0
@@ -137,7 +140,10 @@ class PrefillStage(Stage):
             job = await self.queue.get()
             if job.cancelled:
                 continue
+            job.dequeued = time.monotonic()
             try:
+                if self.plan_on_demand:  # the store reads disk hits only now: say it is now
+                    await self.send_output("kv", job.route, PlanWanted(job.request.request_id))
                 await self._prefill(job)
             except PrefixUnavailable as exc:
                 if not job.cancelled:
@@ -278,6 +284,7 @@ class PrefillStage(Stage):
             return  # cancelled
         except asyncio.TimeoutError:
             raise PrefixUnavailable(f"kv-shuttle gave no plan within {timeout} s") from None
+        job.plan_in = time.monotonic()
         arena = await self._arena(job, plan)
         past = targets = attended = None
         if arena is not None:
@@ -306,7 +313,8 @@ class PrefillStage(Stage):
         n = len(request.prompt_ids)
         reason = finish_reason(token, 1, n + 1, request.sampling, self.model.eos_token_ids, self.model.max_context)
         compute = {"prefill.start": [result.started], "prefill.layer_done": result.layer_done,
-                   "prefill.end": [result.finished]}
+                   "prefill.end": [result.finished], "prefill.dequeued": [job.dequeued],
+                   "prefill.plan_in": [job.plan_in]}
         # a request that ends here gets its (prefill-only) timeline with its only token
         first = Tokens(request.request_id, 0, [token], reason, compute if reason is not None else {},
                        plan.cached_tokens)

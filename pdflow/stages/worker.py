@@ -25,7 +25,7 @@ from pdflow.engine.chunked import ChunkedPrefill
 from pdflow.engine.stopping import after_decode_step, finish_reason
 from pdflow.kv.blocks import BlockHasher, answer_blocks
 from pdflow.kv.local_cache import LocalPrefixCache
-from pdflow.messages import PrefillRequest, StopRequest, Tokens
+from pdflow.messages import KvForget, KvForgotten, PrefillRequest, StopRequest, Tokens
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.stages.engine_thread import engine_thread, run_in
 
@@ -34,10 +34,12 @@ class WorkerStage(Stage):
     kind = "worker"
     outputs = {"tokens": "ingress"}
     opens = (PrefillRequest,)
+    holds_kv = True  # ingress's KvForget comes here
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> PrefillRequest:
-        return PrefillRequest(submission.request_id, submission.prompt_ids, submission.sampling, submission.route)
+        return PrefillRequest(submission.request_id, submission.prompt_ids, submission.sampling, submission.route,
+                              submission.kv_ttl_s)
 
     async def setup(self) -> None:
         topo, cfg = self.topology, self.ctx.config
@@ -49,7 +51,8 @@ class WorkerStage(Stage):
         self.cache = None
         if kv.prefix_cache:
             self.cache = LocalPrefixCache(self.model.layout, BlockHasher.for_pipeline(topo), kv.store_bytes,
-                                          high_watermark=kv.high_watermark, low_watermark=kv.low_watermark)
+                                          high_watermark=kv.high_watermark, low_watermark=kv.low_watermark,
+                                          block_ttl_s=kv.block_ttl_s)
         self.chunk = topo.engine.chunked_prefill_tokens
         self.waiting: deque[tuple[PrefillRequest, float]] = deque()
         self.prefilling: tuple[PrefillRequest, ChunkedPrefill, dict] | None = None
@@ -62,7 +65,14 @@ class WorkerStage(Stage):
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def handlers(self):
-        return {PrefillRequest: self.on_request, StopRequest: lambda m: self.cancel(m.request_id, "stop string matched")}
+        return {PrefillRequest: self.on_request, StopRequest: lambda m: self.cancel(m.request_id, "stop string matched"),
+                KvForget: self.on_forget}
+
+    async def on_forget(self, message: KvForget) -> None:
+        memory = 0
+        if self.cache is not None:
+            memory = self.cache.forget(None if message.everything else message.prompt_ids)
+        await self.bus.send("ingress", 0, KvForgotten(message.forget_id, self.ctx.stage, self.replica, memory, 0))
 
     def stats(self) -> dict[str, int]:
         return self.cache.stats() if self.cache is not None else {}
@@ -113,7 +123,7 @@ class WorkerStage(Stage):
         bt = self.cache.block_tokens
         end = len(request.prompt_ids) // bt * bt
         if end > cached:
-            self.cache.keep(request.prompt_ids, cached // bt, *run.token_major(cached, end))
+            self.cache.keep(request.prompt_ids, cached // bt, *run.token_major(cached, end), keep_s=request.keep_s)
 
     def _keep_answer(self, seq: Sequence) -> None:
         """Before ``seq`` leaves the batch: its answer's full blocks into the store."""
@@ -123,7 +133,7 @@ class WorkerStage(Stage):
         blocks = answer_blocks(n, n + len(output_ids), bt)
         if blocks:
             keys, values = self.batch.export(seq, blocks.start * bt, blocks.stop * bt)
-            self.cache.keep(request.prompt_ids + output_ids, blocks.start, keys, values)
+            self.cache.keep(request.prompt_ids + output_ids, blocks.start, keys, values, keep_s=request.keep_s)
 
     def _iterate(self, remove: list[Sequence]):
         for seq in remove:
