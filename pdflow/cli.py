@@ -15,6 +15,7 @@ _EPILOG = """examples:
   pdflow bench transfer               measure the KV transports against memcpy and a plain socket
   pdflow bench serve --base-url URL   load an OpenAI-compatible server: TTFT, TBT, goodput
   pdflow bench engine                 the bare engine per weight format, beside transformers
+  pdflow bench disk                   the KV store's disk tier beside dd, file I/O and memcpy
   pdflow trace cmpl-...               a request's timeline as a Perfetto trace, a PNG and its KV tail
   pdflow keys new pipeline.key        a pipeline secret for [security] secret_file (multi-host)
 """
@@ -109,6 +110,11 @@ def _bench_parser(sub) -> None:
     engine.add_arguments(bench_sub.add_parser(
         "engine", help="the bare engine per weight format beside transformers and the memory floor",
         description=engine.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+    from pdflow.bench import disk
+
+    disk.add_arguments(bench_sub.add_parser(
+        "disk", help="the KV store's disk tier beside dd, plain file I/O and memcpy",
+        description=disk.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _trace_parser(sub) -> None:
@@ -133,6 +139,10 @@ def _bench(args) -> int:
         from pdflow.bench import engine
 
         return engine.main(args)
+    if args.bench_command == "disk":
+        from pdflow.bench import disk
+
+        return disk.main(args)
     from pdflow.bench import transfer
 
     return transfer.main(args)

@@ -73,6 +73,12 @@ HEADER_BYTES = _HEADER.size
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM}
 _MASK = (1 << 64) - 1
 _ZEROS = bytes(1 << 20)
+_RUN_BLOCKS = 64  # blocks to one run read (bounds how long a read holds the lock)
+# bytes to one preadv: each piece is checksummed right after it lands, while it is in the CPU's
+# cache (measured here, reading a 2.8 MiB block into its spans in the arena and verifying it:
+# one preadv 2.6-3.3 GB/s, pieces of ~0.5 MiB 3.6-3.8, a plain read without a check 3.8-4.6)
+_PIECE_BYTES = 512 << 10
+_MAX_IOVECS = 1000  # the kernel takes 1,024 buffers to a call
 
 
 class DiskInUse(RuntimeError):
@@ -162,6 +168,32 @@ def _digest(parts: list[memoryview]) -> int:
     for part in parts:
         hasher.update(part)
     return hasher.intdigest()
+
+
+def _read_verifying(fd: int, offset: int, blocks: list[list[memoryview]]) -> list[int] | None:
+    """Read records back to back from ``offset`` (the first one's payload; a header lies between
+    each two) into each block's buffers, in pieces of about ``_PIECE_BYTES``, each piece hashed
+    right after it lands. Each block's payload digest, or None if the file ended first."""
+    hashers = [xxhash.xxh3_64() for _ in blocks]
+    sequence: list[tuple[memoryview, object]] = []  # (buffer, its block's hasher; None: a header)
+    for k, parts in enumerate(blocks):
+        if k:
+            sequence.append((memoryview(bytearray(HEADER_BYTES)), None))
+        sequence.extend((part, hashers[k]) for part in parts)
+    i = 0
+    while i < len(sequence):
+        j, size = i, 0
+        while j < len(sequence) and j - i < _MAX_IOVECS and (j == i or size + sequence[j][0].nbytes <= _PIECE_BYTES):
+            size += sequence[j][0].nbytes
+            j += 1
+        if os.preadv(fd, [buffer for buffer, _ in sequence[i:j]], offset) != size:
+            return None
+        for buffer, hasher in sequence[i:j]:
+            if hasher is not None:
+                hasher.update(buffer)
+        offset += size
+        i = j
+    return [hasher.intdigest() for hasher in hashers]
 
 
 def _now_ms() -> int:
@@ -381,11 +413,11 @@ class DiskTier:
             if version is not None and record.version != version:
                 return Outcome.VERSION_MISMATCH
             try:
-                read = os.preadv(self._reader(record.segment), parts, record.offset)
+                digests = _read_verifying(self._reader(record.segment), record.offset, [parts])
             except OSError as exc:
                 log.warning("kv.disk.read_failed", block=f"{block_id:032x}", error=str(exc))
-                read = -1
-            if read != record.nbytes or _digest(parts) != record.digest:
+                digests = None
+            if digests is None or digests[0] != record.digest:
                 self._forget(block_id)
                 self._counts["corrupted"] += 1
                 log.warning("kv.disk.corrupted", block=f"{block_id:032x}", segment=record.segment)
@@ -393,6 +425,74 @@ class DiskTier:
             self._segment_used[record.segment] = self._next_tick()
             self._counts["hits"] += 1
             return Outcome.HIT
+
+    def get_many(self, ids, intos, versions=None) -> list[Outcome]:
+        """Read blocks ``ids`` into ``intos`` (one destination each, as :meth:`get`), stopping at
+        the first that is not a HIT (the list ends with its outcome). Blocks that lie one after the
+        other in a segment are read as one sequential range (their headers into a scratch buffer),
+        so small blocks written together come back in large reads. Blocking."""
+        outcomes: list[Outcome] = []
+        parts = [_buffers(into) for into in intos]
+        i = 0
+        while i < len(ids):
+            with self._lock:
+                j = self._run_end(ids, i, versions, parts)
+                run = self._read_run(ids[i:j], parts[i:j]) if j - i > 1 else None
+            if run is None:  # one block, or a run that did not read whole: block by block says why
+                run = []
+                for k in range(i, max(j, i + 1)):
+                    run.append(self.get(ids[k], parts[k], None if versions is None else versions[k]))
+                    if run[-1] is not Outcome.HIT:
+                        break
+            outcomes.extend(run)
+            if outcomes[-1] is not Outcome.HIT:
+                return outcomes
+            i += len(run)
+        return outcomes
+
+    def _run_end(self, ids, i: int, versions, parts) -> int:
+        """How far from ``ids[i]`` the records lie back to back in one segment, live and of the
+        version asked (at most ``_RUN_BLOCKS``); ``i`` if ``ids[i]`` is not such a record (call
+        under the lock)."""
+        now, j, previous = _now_ms(), i, None
+        while j < len(ids):
+            record = self._index.get(ids[j])
+            if record is None or (record.expires_ms and record.expires_ms <= now) or \
+                    (versions is not None and record.version != versions[j]):
+                break
+            if previous is not None and (record.segment != previous.segment or
+                                         record.offset != previous.offset + previous.nbytes + HEADER_BYTES):
+                break
+            if j - i == _RUN_BLOCKS:
+                break
+            previous = record
+            j += 1
+        return j
+
+    def _read_run(self, ids, parts) -> list[Outcome] | None:
+        """Records back to back in one segment, read as one range; each verified (call under the
+        lock). None if the read came back short (the caller reads them one by one)."""
+        records = [self._index[block_id] for block_id in ids]
+        first = records[0]
+        try:
+            digests = _read_verifying(self._reader(first.segment), first.offset, parts)
+        except OSError:
+            digests = None
+        if digests is None:
+            return None
+        outcomes = []
+        for block_id, record, digest in zip(ids, records, digests):
+            self._counts["reads"] += 1
+            if digest != record.digest:
+                self._forget(block_id)
+                self._counts["corrupted"] += 1
+                log.warning("kv.disk.corrupted", block=f"{block_id:032x}", segment=record.segment)
+                outcomes.append(Outcome.CORRUPTED)
+                return outcomes
+            self._counts["hits"] += 1
+            outcomes.append(Outcome.HIT)
+        self._segment_used[first.segment] = self._next_tick()
+        return outcomes
 
     def _reader(self, segment: int) -> int:
         fd = self._readers.get(segment)

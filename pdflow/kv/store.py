@@ -151,6 +151,8 @@ class KvStore:
             raise ValueError(f"memory of {self.memory.numel()} bytes is smaller than the arena's {self.layout.nbytes}")
         self._bytes = byte_view(raw)
         self.blocks = self.layout.view(self.memory)  # (layers, 2, slots, block_tokens, kv_heads, head_dim)
+        self._span = self.layout.slot_span  # where slot 0's keys (values) of each layer start, in order:
+        self._span_bases = [self.layout.offset(layer, kind, 0) for layer in range(kv.num_layers) for kind in (0, 1)]
         self.block_tokens = block_tokens
         self.high = int(high_watermark * self.layout.num_slots)
         self.low = int(low_watermark * self.layout.num_slots)
@@ -463,9 +465,8 @@ class KvStore:
 
     def slot_spans(self, slot: int) -> list[memoryview]:
         """A slot's bytes, layer by layer, keys then values: a whole block, as the disk tier holds it."""
-        layout, span = self.layout, self.layout.slot_span
-        return [self._bytes[o : o + span]
-                for o in (layout.offset(layer, kind, slot) for layer in range(layout.kv.num_layers) for kind in (0, 1))]
+        span, at = self._span, slot * self._span
+        return [self._bytes[base + at : base + at + span] for base in self._span_bases]
 
     # --- stats ---------------------------------------------------------------------------------
 
@@ -603,9 +604,7 @@ class KvStore:
         self._detach(old)
 
     def _checksums(self, slot: int) -> list[int]:
-        layout, span = self.layout, self.layout.slot_span
-        return [checksum(self._bytes[o : o + span])
-                for o in (layout.offset(layer, kind, slot) for layer in range(layout.kv.num_layers) for kind in (0, 1))]
+        return [checksum(span) for span in self.slot_spans(slot)]
 
     def _verify(self, block: _Block) -> bool:
         return self._checksums(block.slot) == block.checksums

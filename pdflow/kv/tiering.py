@@ -185,13 +185,11 @@ class DiskBackedStore:
     def _read(self, ids, versions, slots) -> list[tuple[Outcome, float | None]]:
         """Read blocks into slots (stopping at the first that fails); per block its outcome and how
         long it may still be kept (None: no expiry of its own)."""
+        outcomes = self.disk.get_many(ids, [self.store.slot_spans(slot) for slot in slots[: len(ids)]], versions)
         out = []
-        for block_id, version, slot in zip(ids, versions, slots):
-            outcome = self.disk.get(block_id, self.store.slot_spans(slot), version=version)
+        for block_id, outcome in zip(ids, outcomes):
             expires = self.disk.expires_at(block_id) if outcome is Outcome.HIT else 0.0
             out.append((outcome, None if not expires else expires - time.time()))
-            if outcome is not Outcome.HIT:
-                break
         return out
 
     # --- both ------------------------------------------------------------------------------------
