@@ -149,3 +149,32 @@ def test_blocks_of_another_size_are_refused(tmp_path):
     with pytest.raises(ValueError, match="bytes, the store's"):
         DiskBackedStore(store, disk)
     disk.close()
+
+
+def test_a_load_cancelled_mid_read_frees_its_slots_only_after_the_read(tmp_path):
+    async def main():
+        tiers = _tiers(tmp_path, memory_blocks=8)
+        store, disk = tiers.store, tiers.disk
+        chat = H.ids(list(range(3 * BT)))
+        store.put(chat, *_kv(3, seed=7))
+        await tiers.drain()
+        store.forget()
+        slow_read, reading = disk.get_many, []
+
+        def get_many(*args, **kwargs):
+            reading.append(True)
+            time.sleep(0.3)  # a slow disk
+            return slow_read(*args, **kwargs)
+
+        disk.get_many = get_many
+        load = asyncio.ensure_future(tiers.load("r", chat))
+        while not reading:
+            await asyncio.sleep(0.01)
+        load.cancel()
+        began = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        assert time.monotonic() - began > 0.2  # it waited for the read before letting the slots go
+        assert store.stats().leases == 0 and store.stats().blocks_used == 0 and store.lookup(chat) == 0
+        disk.close()
+    asyncio.run(main())

@@ -63,6 +63,18 @@ class TieringStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+async def _thread_finishing(fn, *args):
+    """``fn(*args)`` in a worker thread; if the caller is cancelled meanwhile, it still waits for
+    the thread to finish before it goes on cancelled (the thread reads or writes slots that must
+    not be freed under it)."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
+
+
 class DiskBackedStore:
     def __init__(self, store: KvStore, disk: DiskTier) -> None:
         if disk.block_bytes != store.layout.block_bytes:
@@ -112,7 +124,7 @@ class DiskBackedStore:
         if not batch:
             return
         try:
-            await asyncio.to_thread(self._write, batch, epoch)
+            await _thread_finishing(self._write, batch, epoch)
         finally:
             for block in held:
                 self.store.let_go(block)
@@ -165,7 +177,7 @@ class DiskBackedStore:
         try:
             first, epoch = lease.hit, self._epoch  # (first == memory: nothing ran in between)
             began = time.perf_counter()
-            outcomes = await asyncio.to_thread(self._read, wanted[first:], versions, lease.slots[first:])
+            outcomes = await _thread_finishing(self._read, wanted[first:], versions, lease.slots[first:])
             self._seconds["load"] += time.perf_counter() - began
             if self._epoch != epoch:
                 return 0  # a forget came while reading: what was read may be what it dropped

@@ -196,10 +196,18 @@ class KvShuttleStage(Stage):
         entry = _Entry(message, asyncio.get_running_loop().create_future())
         self.requests.open(message.request_id, entry)
         ids = self.hasher.ids(message.prompt_ids) if self.reuse else []
-        if self._arriving_next(ids) is None:
+        if self._arriving_next(ids) is None and not self._continues_on_disk(ids, len(message.prompt_ids)):
             await self._plan(entry, ids)
-        else:  # the previous turn's answer is being written back: wait for it, not the inbox
+        else:  # an answer being written back, or blocks on disk, to wait for: not in the inbox's way
             self._spawn_for(entry, self._plan(entry, ids))
+
+    def _continues_on_disk(self, ids: list[int], num_tokens: int) -> bool:
+        """Does the prompt's prefix go on on disk after its memory hit?"""
+        usable = reusable_blocks(len(ids), num_tokens, self.arena.block_tokens)
+        if self.tiers is None or not usable:
+            return False
+        memory = next((i for i, block_id in enumerate(ids[:usable]) if block_id not in self.store), usable)
+        return bool(self.tiers.on_disk(ids, memory, memory + 1))
 
     def _arriving_next(self, ids: list[int]) -> asyncio.Future | None:
         """The answer write-back that will store the first block of ``ids`` the store lacks, if any."""
@@ -244,7 +252,7 @@ class KvShuttleStage(Stage):
         """The blocks of the prompt's prefix that follow its memory hit and are on disk, into
         memory: now (prefetch), or once prefill is about to compute the request."""
         memory = next((i for i, block_id in enumerate(ids[:usable]) if block_id not in self.store), usable)
-        if not self.tiers.on_disk(ids, memory, usable):
+        if not self.tiers.on_disk(ids, memory, memory + 1):
             return
         rid = entry.request.request_id
         if not self.prefetch:
