@@ -22,13 +22,35 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdflow.serving.openai_protocol import ApiError, parse_chat_request, parse_completion_request
+from pdflow.serving.openapi import ERRORS
 
 _CHOICES = ("messages", "prompt", "all")
+
+_FORGET_BODY = {"oneOf": [
+    {"type": "object", "required": ["messages"], "description": "A chat body's messages: that prompt's prefix.",
+     "properties": {"messages": {"type": "array", "minItems": 1,
+                                 "items": {"$ref": "#/components/schemas/ChatMessage"}}}},
+    {"type": "object", "required": ["prompt"], "description": "A completion body's prompt: text or token ids.",
+     "properties": {"prompt": {"oneOf": [{"type": "string"},
+                                         {"type": "array", "items": {"type": "integer", "minimum": 0}}]}}},
+    {"type": "object", "required": ["all"], "description": "Everything.",
+     "properties": {"all": {"type": "boolean", "enum": [True]}}},
+]}
+_FORGET_DOC = {
+    "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": _FORGET_BODY}}}},
+    "responses": {
+        "200": {"description": "What each replica that keeps KV dropped (blocks in memory and on disk).",
+                "content": {"application/json": {"schema": {"type": "object"}}}},
+        **{status: ERRORS[status] for status in ("400", "401", "413")},
+        "503": {"description": "Some replicas did not answer in time (`unreached` names them): retry.",
+                "content": {"application/json": {"schema": {"type": "object"}}}},
+    },
+}
 
 
 def install_admin(app: FastAPI, ingress, read: Callable[[Request], Awaitable[bytes]]) -> None:
     @app.post("/admin/kv/forget", summary="Forget stored KV: a prefix and all built on it, or everything",
-              tags=["admin"])
+              tags=["admin"], **_FORGET_DOC)
     async def forget_kv(request: Request) -> JSONResponse:
         body = await read(request)
         try:
