@@ -278,3 +278,24 @@ def test_runs_of_blocks_written_together_come_back_in_one_read_and_damage_still_
     assert disk.get_many(list(range(10)), intos) == [Outcome.HIT, Outcome.HIT, Outcome.CORRUPTED]
     assert 2 not in disk and disk.get_many([5, 6, 99], intos[:3]) == [Outcome.HIT, Outcome.HIT, Outcome.MISS]
     disk.close()
+
+
+def test_any_write_error_turns_the_tier_off_instead_of_raising(tmp_path):
+    import errno
+
+    disk = _tier(tmp_path)
+    assert disk.put(1, None, _block(1))
+    real = os.pwritev
+
+    def failing(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    os.pwritev = failing
+    try:
+        assert not disk.put(2, 1, _block(2))  # no exception: the writer task (and its stage) go on
+    finally:
+        os.pwritev = real
+    assert "Input/output error" in disk.stats().disabled and not disk.put(3, None, _block(3))
+    into = bytearray(BLOCK)
+    assert disk.get(1, into) is Outcome.HIT and bytes(into) == _block(1)
+    disk.close()

@@ -35,9 +35,10 @@ tombstone (the scan skips it, so it does not come back at the next start). Forge
 deletes the segment files.
 
 Failures. A write that fails for lack of space or permission (``ENOSPC``, ``EDQUOT``, ``EACCES``,
-``EROFS``) turns the tier off with one warning (``disabled`` says why); reads of what is already
-there go on. One process owns a directory (an exclusive ``flock`` on its ``LOCK`` file): a second
-opener gets :class:`DiskInUse`. Thread-safe: one lock guards the index and the files.
+``EROFS``) turns the tier off with one warning (``disabled`` says why), and any other write error
+(``EIO``) with one error; reads of what is already there go on. One process owns a directory
+(an exclusive ``flock`` on its ``LOCK`` file): a second opener gets :class:`DiskInUse`.
+Thread-safe: one lock guards the index and the files.
 """
 
 from __future__ import annotations
@@ -312,12 +313,10 @@ class DiskTier:
                 if written != HEADER_BYTES + nbytes:  # the rest would not fit (the scan cuts this tail)
                     raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: a short write, {written} of "
                                                 f"{HEADER_BYTES + nbytes} bytes")
-            except OSError as exc:
-                if exc.errno not in _FULL:
-                    raise
+            except OSError as exc:  # full or unwritable; any other error (EIO) too, louder
                 self.disabled = f"{exc.strerror or exc} ({self.path})"
-                log.warning("kv.disk.disabled", path=str(self.path), error=str(exc),
-                            hint="the store goes on in memory only")
+                (log.warning if exc.errno in _FULL else log.error)(
+                    "kv.disk.disabled", path=str(self.path), error=str(exc), hint="the store goes on in memory only")
                 return False
             if held is not None:
                 self._bury(block_id)  # the older version
