@@ -11,10 +11,11 @@ is private to its request.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 
 import xxhash
 
-__all__ = ["BlockHasher", "BlockId", "full_blocks"]
+__all__ = ["BlockHasher", "BlockId", "descendants", "full_blocks"]
 
 BlockId = int  # 128 bits, from xxh3_128
 
@@ -66,3 +67,20 @@ def answer_blocks(prompt_len: int, cached_len: int, block_tokens: int) -> range:
     """The blocks a finished sequence of ``cached_len`` tokens with KV adds after its prompt's
     full blocks (the prompt's partial last block becomes one of them once the answer fills it)."""
     return range(prompt_len // block_tokens, cached_len // block_tokens)
+
+
+def descendants(roots: Iterable[BlockId], parents: Iterable[tuple[BlockId, BlockId | None]]) -> set[BlockId]:
+    """``roots`` and every block built on them, given each stored block's ``(id, parent id)``
+    (through a map of children made once): what goes when a block is dropped."""
+    children: dict[BlockId, list[BlockId]] = {}
+    for block_id, parent in parents:
+        if parent is not None:
+            children.setdefault(parent, []).append(block_id)
+    found = set(roots)
+    todo = list(found)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdflow.kv.arena import ArenaLayout, anonymous_memory
-from pdflow.kv.blocks import BlockId
+from pdflow.kv.blocks import BlockId, descendants
 from pdflow.kv.checksum import checksum
 from pdflow.kv.layout import KvLayout
 from pdflow.kv.outcomes import Corrupted, Miss, VersionMismatch
@@ -570,17 +570,9 @@ class KvStore:
         """Take ``roots`` and every block below them out of the index; how many. Pinned ones are
         freed at their last unpin."""
         doomed = set(roots)
-        if len(doomed) < len(self._index):  # the descendants, through a map of children made once
-            children: dict[BlockId, list[BlockId]] = {}
-            for block in self._index.values():
-                if block.parent is not None:
-                    children.setdefault(block.parent.id, []).append(block.id)
-            todo = list(doomed)
-            while todo:
-                for child in children.get(todo.pop(), ()):
-                    if child not in doomed:
-                        doomed.add(child)
-                        todo.append(child)
+        if len(doomed) < len(self._index):
+            doomed = descendants(doomed, ((block.id, None if block.parent is None else block.parent.id)
+                                             for block in self._index.values()))
         for block_id in doomed:
             self._detach(self._index[block_id])
         return len(doomed)

@@ -147,6 +147,15 @@ class DiskBackedStore:
 
     # --- up --------------------------------------------------------------------------------------
 
+    def memory_hit(self, ids: Sequence[BlockId], stop: int | None = None) -> int:
+        """How many leading blocks of ``ids[:stop]`` memory holds."""
+        return next((i for i, block_id in enumerate(ids[:stop]) if block_id not in self.store), len(ids[:stop]))
+
+    def continues_on_disk(self, ids: Sequence[BlockId], stop: int | None = None) -> bool:
+        """Is the block of ``ids[:stop]`` after memory's hit on disk (a load would bring some)?"""
+        memory = self.memory_hit(ids, stop)
+        return (stop is None or memory < stop) and bool(self.on_disk(ids, memory, memory + 1))
+
     def on_disk(self, ids: Sequence[BlockId], start: int, stop: int | None = None) -> list[int]:
         """The versions of the blocks ``ids[start:stop]`` that are on disk, up to the first that is not."""
         versions = []
@@ -161,11 +170,7 @@ class DiskBackedStore:
         """Bring the blocks of ``ids[:stop]`` that follow the memory hit and are on disk into
         memory; how many came. They are committed unpinned (the caller's lease pins them next)."""
         store = self.store
-        memory = 0
-        for block_id in ids[:stop]:
-            if block_id not in store:
-                break
-            memory += 1
+        memory = self.memory_hit(ids, stop)
         versions = self.on_disk(ids, memory, stop)
         if not versions:
             return 0

@@ -204,10 +204,7 @@ class KvShuttleStage(Stage):
     def _continues_on_disk(self, ids: list[int], num_tokens: int) -> bool:
         """Does the prompt's prefix go on on disk after its memory hit?"""
         usable = reusable_blocks(len(ids), num_tokens, self.arena.block_tokens)
-        if self.tiers is None or not usable:
-            return False
-        memory = next((i for i, block_id in enumerate(ids[:usable]) if block_id not in self.store), usable)
-        return bool(self.tiers.on_disk(ids, memory, memory + 1))
+        return self.tiers is not None and usable > 0 and self.tiers.continues_on_disk(ids, usable)
 
     def _arriving_next(self, ids: list[int]) -> asyncio.Future | None:
         """The answer write-back that will store the first block of ``ids`` the store lacks, if any."""
@@ -251,8 +248,7 @@ class KvShuttleStage(Stage):
     async def _from_disk(self, entry: _Entry, ids: list[int], usable: int) -> None:
         """The blocks of the prompt's prefix that follow its memory hit and are on disk, into
         memory: now (prefetch), or once prefill is about to compute the request."""
-        memory = next((i for i, block_id in enumerate(ids[:usable]) if block_id not in self.store), usable)
-        if not self.tiers.on_disk(ids, memory, memory + 1):
+        if not self.tiers.continues_on_disk(ids, usable):
             return
         rid = entry.request.request_id
         if not self.prefetch:
