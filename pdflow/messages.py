@@ -75,8 +75,10 @@ class KvExpected(Message):
 
 
 class PlanWanted(Message):
-    """prefill -> kv-shuttle: prefill is about to compute this request (sent only where the store
-    reads disk hits when prefill gets to a request, ``kv.prefetch = false``)."""
+    """prefill -> kv-shuttle: prefill has got to this request and waits for its plan (sent for
+    every request where the store reads disk hits only then, ``kv.prefetch = false``; otherwise
+    only when the plan is not in yet: a plan waiting for an earlier request's blocks is then
+    made without them, since that request may be queued behind this one)."""
 
     request_id: str
 

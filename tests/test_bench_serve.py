@@ -101,18 +101,20 @@ def test_the_unbounded_cache_bound_follows_the_run_s_own_timing():
     doc = list(range(100, 140))  # 10 blocks of 4
     records = [
         rec(0, 0.0, 1.0, 2.0, doc + [1, 2]),
-        rec(1, 0.5, 0.2, 0.3, doc + [3, 4]),  # sent before request 0's prefill was done: nothing to hit
-        rec(2, 1.5, 0.2, 0.3, doc + [5, 6]),  # after it: the whole document
+        rec(1, 0.5, 0.2, 0.3, doc + [3, 4]),  # sent while request 0 is computed: waits for it, the document
+        rec(2, 1.5, 0.2, 0.3, doc + [5, 6]),  # the whole document
         rec(3, 1.6, 0.1, 0.2, doc[:8]),  # fully cached, but its last token must be computed
         rec(4, 3.0, 0.1, 0.5, doc + [1, 2, 7, 8, 9, 10, 11, 12], [7, 8, 9]),  # request 0's answer ended at 2.0,
     ]                                                                          # unknown: the prompt hits to 40
     records.append(rec(5, 4.0, 0.1, 0.1, doc + [1, 2, 7, 8, 9, 10, 11, 12, 13]))  # request 4's answer: 48
-    assert infinite_cache_hits(records, 4) == [0, 0, 40, 4, 40, 48]
+    assert infinite_cache_hits(records, 4) == [0, 40, 40, 4, 40, 48]
     # the answer's last token is never fed back, so no cache has its KV: a block it would complete
     short = [rec(0, 0.0, 0.1, 0.2, [1, 2, 3, 4, 5, 6], [7, 8]), rec(1, 1.0, 0.1, 0.2, [1, 2, 3, 4, 5, 6, 7, 8, 10])]
     assert infinite_cache_hits(short, 4) == [0, 4]
     records[2].error = "boom"
     assert infinite_cache_hits(records, 4)[2] == 0
+    records[0].error = "boom"  # a failed prompt stored nothing
+    assert infinite_cache_hits(records, 4)[:2] == [0, 0]
     records[0].prompt_ids = None  # a text prompt: no bound
     assert infinite_cache_hits(records, 4) is None
 

@@ -159,6 +159,30 @@ def test_sixteen_at_once_give_the_same_answers(reusing, reference):
     assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
 
 
+def test_a_prompt_sent_while_its_prefix_is_computed_waits_for_it(reusing, served_model):
+    """The second question about a document no one asked about before arrives while prefill is
+    computing the first: kv-shuttle plans it once the document's blocks are stored (not computed
+    twice), and its answer is the one computed without any cache."""
+    if reusing.deployment == "colocated":
+        pytest.skip("the colocated worker plans a prompt when it computes it: nothing is in flight")
+    document = f"Field notes, the {reusing.deployment} copy.\n\n{DOCUMENT}"  # a prefix no earlier test stored
+    first, second = ([{"role": "system", "content": document}, {"role": "user", "content": q}] for q in QUESTIONS[:2])
+    client = openai.OpenAI(base_url=f"{reusing.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    before = _store_stats(reusing.url, reusing.store_stage)
+    with ThreadPoolExecutor(2) as pool:
+        earlier = pool.submit(_chat, client, first)
+        time.sleep(0.3)  # its prefill takes seconds here
+        later = pool.submit(_chat, client, second)
+        (_, _, cached_first), (answer, prompt, cached) = earlier.result(), later.result()
+    assert cached_first == 0
+    assert cached >= prompt - 40 - BLOCK, (prompt, cached)
+    assert answer == _Engine(served_model).create("smollm2", second, 0, MAX_TOKENS).choices[0].message.content
+    stats = _settled_stats(reusing.url, reusing.store_stage)
+    assert stats["prefix_waits"] == before["prefix_waits"] + 1, stats
+    assert stats["prefix_waits_given_up"] == before["prefix_waits_given_up"], stats
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+
+
 def test_zero_copy_copies_no_kv_byte(reusing, reference):
     """Over shm, prefill's writes find every byte already in the store's blocks, the store sends
     decode (and prefill) nothing, and decode writes no answer back: it attends in the store."""

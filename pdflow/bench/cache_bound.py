@@ -1,9 +1,10 @@
 """What an unbounded prefix cache could have served on the same request sequence.
 
-A request's prompt can only hit blocks that some earlier request had already produced: the blocks
-of an earlier prompt once its prefill was done (its first token had arrived), and of an earlier
-prompt plus its answer once that answer had ended (a chat's next turn re-sends both), all but the
-answer's last token (it is never fed back, so no server has its KV). Replaying
+A request's prompt can only hit blocks that some earlier request produces: the blocks of any
+prompt sent before it (a store that waits for blocks an earlier prefill is computing serves them,
+as pdflow's kv-shuttle does), and of an earlier prompt plus its answer once that answer had ended
+(a chat's next turn re-sends both), all but the answer's last token (it is never fed back, so no
+server has its KV). Replaying
 the run's own send and reply times over the prompts' block ids gives the hits a cache that never
 evicts would have had: the bound a measured hit ratio is compared with.
 """
@@ -39,8 +40,8 @@ def infinite_cache_hits(records: Sequence[RequestRecord], block_tokens: int) -> 
         ids = hasher.ids(record.prompt_ids)
         hit = next((k for k, block in enumerate(ids) if block not in seen), len(ids))
         hits[i] = reusable_blocks(hit, len(record.prompt_ids), block_tokens) * block_tokens
-        heapq.heappush(ready, (record.sent_s + record.ttft_s, 2 * n, record.prompt_ids))
+        seen.update(ids)
         if record.answer_ids:
             sequence = record.prompt_ids + record.answer_ids[:-1]
-            heapq.heappush(ready, (record.sent_s + record.e2e_s, 2 * n + 1, sequence))
+            heapq.heappush(ready, (record.sent_s + record.e2e_s, n, sequence))
     return hits

@@ -5,7 +5,11 @@ plane once (region 0), so chunks land straight in their slots. For each request:
 
 1. ``KvExpected`` (ingress): the prompt's block ids; a lease pins the longest cached prefix
    (checksums verified) and takes slots for the rest; prefill hears what to skip and where to
-   write (``KvPlan``);
+   write (``KvPlan``). Where the prefix goes on in blocks that are on their way (an earlier
+   request's prefill computing them, or an answer being written back), the plan waits for them
+   instead of computing them twice: for an earlier prompt until it is stored, unless prefill gets
+   to this request (``PlanWanted``) before that one has begun (it may be queued behind this one);
+   for an answer at most ``_ARRIVING_WAIT_S``;
 2. ``PrefixDestination`` (prefill) and ``KvDestination`` (decode): the cached prefix streams to
    both, layer by layer;
 3. each chunk prefill writes is forwarded to decode the moment it lands (cut-through), and every
@@ -45,6 +49,7 @@ from pdflow.kv.arena import ArenaLayout
 from pdflow.kv.blocks import BlockHasher, answer_blocks, reusable_blocks
 from pdflow.kv.chunks import between_slots, from_slots, slot_of, tokens_of_run
 from pdflow.kv.disk import DiskInUse, DiskTier
+from pdflow.kv.in_flight import InFlight, Writer
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
 from pdflow.kv.store import KvStore, Lease, StoreFull
 from pdflow.kv.tiering import DiskBackedStore
@@ -89,7 +94,9 @@ class _Entry:
     layer_left: list[int] = field(default_factory=list)  # per layer: tokens still to land (keys and values)
     layer_in: list[float] = field(default_factory=list)  # per layer: when it was all in
     in_store: bool = False  # decode attends from the request's blocks here (KvInStore sent)
-    plan_wanted: asyncio.Future | None = None  # prefill is about to compute it (PlanWanted), without prefetch
+    plan_wanted: asyncio.Future | None = None  # prefill is about to compute it (PlanWanted)
+    arrival: int = 0  # its place in the order requests arrived here
+    writer: Writer | None = None  # the prompt blocks it computes, while later requests may wait for them
 
     @property
     def route(self):
@@ -130,6 +137,8 @@ class KvShuttleStage(Stage):
         self.hasher = BlockHasher.for_pipeline(topo)
         self.reuse = settings.prefix_cache
         self.arriving: dict[int, asyncio.Future] = {}  # block id -> an answer writing it back now
+        self.computing = InFlight()  # prompt blocks prefill is computing now (Stage.in_flight counts requests)
+        self.arrivals = 0
         await self.inbound.start()
         self.address = self.inbound.address_for(ARENA)
         self.to_decode = self.kv_sender("kv")
@@ -176,7 +185,8 @@ class KvShuttleStage(Stage):
         }
 
     def stats(self) -> dict[str, int]:
-        stats = {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill)}
+        stats = {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill),
+                 "prefix_waits": self.computing.waits, "prefix_waits_given_up": self.computing.given_up}
         if self.tiers is not None:
             disk = self.tiers.disk.stats()
             stats.update({(name[:-2] + "_us", int(value * 1e6)) if name.endswith("_s") else (name, value)
@@ -193,12 +203,13 @@ class KvShuttleStage(Stage):
     # --- a request arrives: lease its blocks, tell prefill what to compute --------------------
 
     async def on_expected(self, message: KvExpected) -> None:
-        entry = _Entry(message, asyncio.get_running_loop().create_future())
+        self.arrivals += 1
+        entry = _Entry(message, asyncio.get_running_loop().create_future(), arrival=self.arrivals)
         self.requests.open(message.request_id, entry)
         ids = self.hasher.ids(message.prompt_ids) if self.reuse else []
-        if self._arriving_next(ids) is None and not self._continues_on_disk(ids, len(message.prompt_ids)):
+        if self._on_the_way(entry, ids) is None and not self._continues_on_disk(ids, len(message.prompt_ids)):
             await self._plan(entry, ids)
-        else:  # an answer being written back, or blocks on disk, to wait for: not in the inbox's way
+        else:  # blocks on their way, or on disk, to wait for: not in the inbox's way
             self._spawn_for(entry, self._plan(entry, ids))
 
     def _continues_on_disk(self, ids: list[int], num_tokens: int) -> bool:
@@ -206,19 +217,28 @@ class KvShuttleStage(Stage):
         usable = reusable_blocks(len(ids), num_tokens, self.arena.block_tokens)
         return self.tiers is not None and usable > 0 and self.tiers.continues_on_disk(ids, usable)
 
-    def _arriving_next(self, ids: list[int]) -> asyncio.Future | None:
-        """The answer write-back that will store the first block of ``ids`` the store lacks, if any."""
+    def _on_the_way(self, entry: _Entry, ids: list[int]) -> asyncio.Future | Writer | None:
+        """What will store the first block of ``ids`` the store lacks: an answer being written
+        back (its future), or an earlier request whose prefill computes that block; None if nothing."""
         missing = next((block_id for block_id in ids if block_id not in self.store), None)
-        return self.arriving.get(missing) if missing is not None else None
+        if missing is None:
+            return None
+        answer = self.arriving.get(missing)
+        return answer if answer is not None else self.computing.writer_of(missing, entry.arrival)
 
     async def _plan(self, entry: _Entry, ids: list[int]) -> None:
-        """Lease the request's blocks (after any answer on its way that extends its prefix) and
-        tell prefill what to compute."""
+        """Lease the request's blocks (after any answer or earlier prompt on its way that extends
+        its prefix) and tell prefill what to compute."""
         message = entry.request
         rid, n, bt = message.request_id, len(message.prompt_ids), self.arena.block_tokens
-        while (arriving := self._arriving_next(ids)) is not None:
+        while (on_the_way := self._on_the_way(entry, ids)) is not None:
+            if isinstance(on_the_way, Writer):
+                wanted = entry.plan_wanted = entry.plan_wanted or asyncio.get_running_loop().create_future()
+                if not await self.computing.wait(on_the_way, wanted, self.limits.request_timeout_s):
+                    break
+                continue
             try:
-                await asyncio.wait_for(asyncio.shield(arriving), _ARRIVING_WAIT_S)
+                await asyncio.wait_for(asyncio.shield(on_the_way), _ARRIVING_WAIT_S)
             except asyncio.TimeoutError:
                 break
         total, usable = -(-n // bt), reusable_blocks(len(ids), n, bt)
@@ -235,6 +255,8 @@ class KvShuttleStage(Stage):
         if self.tiers is not None:
             self.tiers.touch(ids[: lease.hit])
         entry.lease, entry.cached, entry.next_commit = lease, lease.hit * bt, lease.hit
+        if self.reuse and lease.hit < len(ids):  # later requests sharing these blocks may wait for them
+            entry.writer = self.computing.add(entry.arrival, ids[lease.hit :])
         entry.landed = [0] * (total - lease.hit)
         entry.layer_left = [2 * (n - entry.cached)] * self.kv.num_layers
         entry.layer_in = [0.0] * self.kv.num_layers
@@ -419,6 +441,8 @@ class KvShuttleStage(Stage):
             if entry.layer_left[header.layer] <= 0:
                 entry.layer_in[header.layer] = time.monotonic()
                 self._maybe_in_store(entry)
+        if entry.writer is not None:
+            entry.writer.began = True
         usable = entry.cached // self.arena.block_tokens
         for i in self._blocks_of(header, usable):
             if 0 <= i < len(entry.landed):
@@ -429,6 +453,8 @@ class KvShuttleStage(Stage):
                and entry.landed[entry.next_commit - usable] == spans):
             self.store.commit(entry.lease, entry.next_commit)
             entry.next_commit += 1
+        if entry.next_commit >= min(full, len(entry.lease.ids)):
+            self.computing.done(entry.writer)
 
     # --- the request ends: its answer into the store, leases dropped -------------------------
 
@@ -501,6 +527,7 @@ class KvShuttleStage(Stage):
         quarantine = _LATE_WRITES_S if unfinished else 0.0
         self.store.release(rid, quarantine)
         self.store.release((rid, "answer"), quarantine)
+        self.computing.done(entry.writer)
         if entry.answer_done is not None:  # committed or given up: whoever waits for it goes on
             for block_id in entry.answer.ids[entry.answer.hit :]:
                 if self.arriving.get(block_id) is entry.answer_done:

@@ -142,7 +142,7 @@ class PrefillStage(Stage):
                 continue
             job.dequeued = time.monotonic()
             try:
-                if self.plan_on_demand:  # the store reads disk hits only now: say it is now
+                if self.plan_on_demand or not job.plan.done():  # the store may be waiting to hear it
                     await self.send_output("kv", job.route, PlanWanted(job.request.request_id))
                 await self._prefill(job)
             except PrefixUnavailable as exc:
