@@ -149,6 +149,12 @@ def test_unknown_formats_name_the_known_ones():
 
 # --- the compact engine on small random models of each supported type ------------------------
 
+@pytest.fixture(autouse=True)
+def _no_packed_copies(monkeypatch):
+    """The small random models here are not worth keeping (tests/test_packed_cache.py tests that)."""
+    monkeypatch.setenv("PDFLOW_PACKED_CACHE", "0")
+
+
 def _tiny(model_type: str, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -166,6 +166,10 @@ def _bias(module) -> torch.Tensor | None:
 class CompactLlama:
     """``forward(input_ids, positions, mask, cache)`` -> logits of each row's last position."""
 
+    # what a packed copy keeps (pdflow.engine.packed_cache); the kernels' views are rebuilt from it
+    PACKED = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "eps", "scaling", "layers", "embed", "norm",
+              "lm_head", "cos", "sin")
+
     def __init__(self, hf_model: torch.nn.Module, weights: WeightFormat, dtype: torch.dtype, device: torch.device):
         config = hf_model.config
         if reason := unsupported_reason(config):
@@ -209,7 +213,25 @@ class CompactLlama:
         with torch.inference_mode():
             cos, sin = rotary(torch.empty(0, dtype=dtype), positions)
         self.cos, self.sin = cos[0].to(device).contiguous(), sin[0].to(device).contiguous()  # (positions, head_dim)
-        lib = kernels.library() if dtype == torch.float32 and device.type == "cpu" else None
+        self._attach_kernels()
+
+    def packed(self) -> dict:
+        """The model's packed weights and shape (:attr:`PACKED`), to store and load without transformers."""
+        return {name: getattr(self, name) for name in self.PACKED}
+
+    @classmethod
+    def from_packed(cls, config, packed: dict, weights: WeightFormat, dtype: torch.dtype,
+                    device: torch.device) -> CompactLlama:
+        """The model from what :meth:`packed` gave (for the same ``config``, ``weights`` and ``dtype``)."""
+        model = cls.__new__(cls)
+        model.config, model.dtype, model.device, model.weights = config, dtype, device, weights
+        for name in cls.PACKED:
+            setattr(model, name, packed[name])
+        model._attach_kernels()
+        return model
+
+    def _attach_kernels(self) -> None:
+        lib = kernels.library() if self.dtype == torch.float32 and self.device.type == "cpu" else None
         self.fused = FusedSteps(lib) if lib is not None else None
         self.native_layers = self._native_layers() if lib is not None else None
         self.intermediate = self.layers[0].down.in_features if self.layers else 0

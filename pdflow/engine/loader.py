@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from pdflow.config.pipeline import DEFAULT_WEIGHTS
+from pdflow.engine import packed_cache
 from pdflow.engine import weights as weight_formats
 from pdflow.engine.forward import TransformersForward
 from pdflow.engine.llama import CompactLlama, unsupported_reason
@@ -63,20 +64,31 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     """Load a model for pdflow's loops: the compact engine with ``weights`` (a weight format's
     name) where it can run the model, else transformers' own layers in ``dtype`` (``weights``
     must then be ``fp32`` or the default). ``dtype`` is the activations' and the KV cache's."""
+    model_dir, target = Path(model_dir), torch.device(device)
+    fmt = weight_formats.registry.load(weights)()
+    kept = packed_cache.path_for(model_dir, weights, torch_dtype(dtype)) if packed_cache.enabled(target) else None
+    if kept is not None and (found := packed_cache.load(kept, fmt, torch_dtype(dtype), target)) is not None:
+        forward, config, eos_ids = found  # no transformers import: seconds off a stage's start
+        return LoadedModel(forward, KvLayout.from_config(config, dtype), eos_ids,
+                           int(getattr(config, "max_position_embeddings", 2048)), target, weights)
     from transformers import AutoConfig
 
-    model_dir = Path(model_dir)
-    compact = unsupported_reason(AutoConfig.from_pretrained(model_dir)) is None
-    with _LOADING:  # the compact engine packs from fp32 whatever it computes in
-        hf_model = load_transformers_model(model_dir, "float32" if compact else dtype, device)
-    config = hf_model.config
+    config = AutoConfig.from_pretrained(model_dir)
+    compact = unsupported_reason(config) is None
     if compact:
-        forward = CompactLlama(hf_model, weight_formats.registry.load(weights)(), torch_dtype(dtype), torch.device(device))
+        with _LOADING:  # the compact engine packs from fp32 whatever it computes in
+            hf_model = load_transformers_model(model_dir, "float32", device)
+        forward = CompactLlama(hf_model, fmt, torch_dtype(dtype), target)
         del hf_model  # the compact engine holds its own (packed) copies
+        if kept is not None:
+            packed_cache.store(kept, forward, config.to_dict(), _eos_ids(model_dir, config))
     elif weights not in ("fp32", DEFAULT_WEIGHTS):  # the default falls back quietly; a choice does not
         raise ValueError(f"weights = {weights!r} needs the compact engine, which cannot run this model: "
                          f"{unsupported_reason(config)}; use weights = \"fp32\"")
     else:
+        with _LOADING:
+            hf_model = load_transformers_model(model_dir, dtype, device)
+        config = hf_model.config
         forward, weights = TransformersForward(hf_model), "fp32"
     return LoadedModel(
         model=forward,
