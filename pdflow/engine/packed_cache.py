@@ -13,7 +13,7 @@ before and saves the result, with the config's attributes and the end-of-sequenc
 A packed copy is named by everything it depends on: the model directory's path and each of its
 files' name, size and modification time, the weight format, the dtype, and the source of the
 modules that pack (:mod:`pdflow.engine.llama`, :mod:`pdflow.engine.weights`). A model converted
-again, or a change to packing, makes a new copy; the old ones are left for the user to delete.
+again, or a change to packing, makes a new copy; old ones go once ``KEEP`` newer ones are there.
 Copies are written to a temporary file and renamed (two stages starting together both pack and
 one rename wins), readable by their owner only (they are pickles: ``torch.load`` runs them). A
 copy that cannot be read is packed again. ``PDFLOW_PACKED_CACHE=0`` turns the cache off.
@@ -21,6 +21,7 @@ copy that cannot be read is packed again. ``PDFLOW_PACKED_CACHE=0`` turns the ca
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -71,7 +72,8 @@ def load(path: Path, weights: WeightFormat, dtype: torch.dtype,
         return None
     try:
         kept = torch.load(path, map_location=device, weights_only=False, mmap=True)
-        os.utime(path)  # used: the last to go
+        with contextlib.suppress(OSError):  # used: the last to go (a read-only cache stays as it is)
+            os.utime(path)
         config = SimpleNamespace(**kept["config"])
         return CompactLlama.from_packed(config, kept["model"], weights, dtype, device), config, frozenset(kept["eos"])
     except Exception as exc:  # a torn or foreign file: pack again
