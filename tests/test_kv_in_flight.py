@@ -65,6 +65,19 @@ def test_prefill_wanting_the_plan_ends_the_wait_unless_the_writer_has_begun(bega
     _run(main())
 
 
+def test_an_answer_on_its_way_is_waited_for_by_anyone_but_only_for_its_patience():
+    async def main():
+        in_flight = InFlight()
+        answer = in_flight.add(0, [20], began=True, patience_s=0.1)
+        assert in_flight.writer_of(20, 1) is answer  # any request arrived after "0"
+        wanted = asyncio.get_running_loop().create_future()
+        wanted.set_result(None)  # prefill waiting does not end it: the answer is computed already
+        began = asyncio.get_running_loop().time()
+        assert await in_flight.wait(answer, wanted, 10) is False
+        assert 0.09 <= asyncio.get_running_loop().time() - began < 5 and in_flight.given_up == 1
+    _run(main())
+
+
 def test_a_wait_ends_at_its_deadline():
     async def main():
         in_flight = InFlight()

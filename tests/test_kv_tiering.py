@@ -35,6 +35,15 @@ def _tiers(path, memory_blocks: int = 4, **store_kwargs) -> DiskBackedStore:
     return DiskBackedStore(store, disk)
 
 
+async def _on_disk_only(tiers: DiskBackedStore, blocks: int, seed: int) -> list[int]:
+    """A chat of ``blocks`` blocks written to disk and forgotten in memory: its block ids."""
+    chat = H.ids(list(range(blocks * BT)))
+    tiers.store.put(chat, *_kv(blocks, seed=seed))
+    await tiers.drain()
+    tiers.store.forget()
+    return chat
+
+
 def test_a_prefix_evicted_from_memory_comes_back_from_disk_as_it_was(tmp_path):
     async def main():
         tiers = _tiers(tmp_path)
@@ -81,10 +90,7 @@ def test_a_replaced_or_damaged_block_on_disk_ends_the_run_and_is_never_served(tm
     async def main():
         tiers = _tiers(tmp_path, memory_blocks=8)
         store, disk = tiers.store, tiers.disk
-        chat = H.ids(list(range(4 * BT)))
-        store.put(chat, *_kv(4, seed=3))
-        await tiers.drain()
-        store.forget()
+        chat = await _on_disk_only(tiers, 4, seed=3)
         seen = tiers.on_disk(chat, 0)  # a reader looks, then the block is replaced before it reads
         assert len(seen) == 4
         disk.put(chat[2], chat[1], bytes(BLOCK_BYTES), version=seen[2] + 100)
@@ -155,10 +161,7 @@ def test_a_load_cancelled_mid_read_frees_its_slots_only_after_the_read(tmp_path)
     async def main():
         tiers = _tiers(tmp_path, memory_blocks=8)
         store, disk = tiers.store, tiers.disk
-        chat = H.ids(list(range(3 * BT)))
-        store.put(chat, *_kv(3, seed=7))
-        await tiers.drain()
-        store.forget()
+        chat = await _on_disk_only(tiers, 3, seed=7)
         slow_read, reading = disk.get_many, []
 
         def get_many(*args, **kwargs):

@@ -1,4 +1,5 @@
-"""Blocks on their way into the store: an earlier request's prefill is computing them.
+"""Blocks on their way into the store: an earlier request's prefill is computing them, or decode
+is writing an answer's back.
 
 A request whose prefix goes on in such blocks can wait for them instead of computing them a
 second time: with prefill working through its queue in order, the earlier request is computed
@@ -6,7 +7,9 @@ before this one anyway, and waiting costs nothing. But a prefill that has got to
 first (several prefill replicas, or a request re-sent after a failure) may have queued the earlier
 one behind it: waiting would then hold prefill idle until the earlier request's deadline. So a
 waiter gives up once prefill says it wants the waiter's plan (``PlanWanted``) while the earlier
-request has not begun; one that has begun is being computed and will be stored.
+request has not begun; one that has begun is being computed and will be stored. An answer's
+blocks are computed already (they have begun); a writer's ``patience_s`` bounds how long anyone
+waits for them (a decode that died never sends them).
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from dataclasses import dataclass, field
 
 @dataclass(eq=False, slots=True)
 class Writer:
-    """One request's prompt blocks that its prefill computes (those the store lacked)."""
+    """Blocks one request writes into the store (prompt blocks the store lacked, or its answer's)."""
 
-    arrival: int  # its place in the order requests arrived: only later ones wait for it
+    arrival: int  # its place in the order requests arrived: only later ones wait for it (0: anyone)
     ids: list[int]
     stored: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    began: bool = False  # a chunk of it has landed: a prefill is computing it
+    began: bool = False  # a chunk of it has landed: it is being computed (or was)
+    patience_s: float | None = None  # waiting for it ends after this long (None: at the waiter's deadline)
 
 
 class InFlight:
@@ -36,9 +40,9 @@ class InFlight:
     def __len__(self) -> int:
         return len(self._writers)
 
-    def add(self, arrival: int, ids: list[int]) -> Writer:
-        """A request (``arrival``-th to arrive) computes blocks ``ids``."""
-        writer = Writer(arrival, list(ids))
+    def add(self, arrival: int, ids: list[int], *, began: bool = False, patience_s: float | None = None) -> Writer:
+        """A request (``arrival``-th to arrive; 0: any request may wait for it) writes blocks ``ids``."""
+        writer = Writer(arrival, list(ids), began=began, patience_s=patience_s)
         for block_id in ids:
             self._writers.setdefault(block_id, writer)
         return writer
@@ -60,10 +64,10 @@ class InFlight:
     async def wait(self, writer: Writer, wanted: asyncio.Future, timeout_s: float) -> bool:
         """Wait until ``writer``'s blocks are stored: True. False (compute them yourself) once
         ``wanted`` is done (prefill waits for the waiter's plan) while ``writer`` has not begun,
-        or after ``timeout_s``."""
+        or after ``timeout_s`` (or the writer's ``patience_s``, if shorter)."""
         self.waits += 1
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = loop.time() + min(timeout_s, writer.patience_s if writer.patience_s is not None else timeout_s)
         while not writer.stored.done():
             if (wanted.done() and not writer.began) or loop.time() >= deadline:
                 self.given_up += 1

@@ -88,7 +88,7 @@ class _Entry:
     next_commit: int = 0
     answer: Lease | None = None
     answer_landed: list[int] = field(default_factory=list)
-    answer_done: asyncio.Future | None = None  # resolved once the answer's blocks are in (or not)
+    answer_writer: Writer | None = None  # the answer's blocks on their way back, while a next turn may wait
     tasks: set = field(default_factory=set)
     decode_pool: ArenaLayout | None = None  # decode's pool, when its destination is one (checked once)
     layer_left: list[int] = field(default_factory=list)  # per layer: tokens still to land (keys and values)
@@ -136,8 +136,7 @@ class KvShuttleStage(Stage):
         self.arena, self.memory = self.store.layout, self.store.span(0, self.store.layout.nbytes)
         self.hasher = BlockHasher.for_pipeline(topo)
         self.reuse = settings.prefix_cache
-        self.arriving: dict[int, asyncio.Future] = {}  # block id -> an answer writing it back now
-        self.computing = InFlight()  # prompt blocks prefill is computing now (Stage.in_flight counts requests)
+        self.computing = InFlight()  # blocks on their way in: prompts computed, answers written back
         self.arrivals = 0
         await self.inbound.start()
         self.address = self.inbound.address_for(ARENA)
@@ -217,29 +216,20 @@ class KvShuttleStage(Stage):
         usable = reusable_blocks(len(ids), num_tokens, self.arena.block_tokens)
         return self.tiers is not None and usable > 0 and self.tiers.continues_on_disk(ids, usable)
 
-    def _on_the_way(self, entry: _Entry, ids: list[int]) -> asyncio.Future | Writer | None:
-        """What will store the first block of ``ids`` the store lacks: an answer being written
-        back (its future), or an earlier request whose prefill computes that block; None if nothing."""
+    def _on_the_way(self, entry: _Entry, ids: list[int]) -> Writer | None:
+        """What will store the first block of ``ids`` the store lacks: an earlier request whose
+        prefill computes it, or an answer being written back; None if nothing."""
         missing = next((block_id for block_id in ids if block_id not in self.store), None)
-        if missing is None:
-            return None
-        answer = self.arriving.get(missing)
-        return answer if answer is not None else self.computing.writer_of(missing, entry.arrival)
+        return self.computing.writer_of(missing, entry.arrival) if missing is not None else None
 
     async def _plan(self, entry: _Entry, ids: list[int]) -> None:
         """Lease the request's blocks (after any answer or earlier prompt on its way that extends
         its prefix) and tell prefill what to compute."""
         message = entry.request
         rid, n, bt = message.request_id, len(message.prompt_ids), self.arena.block_tokens
-        while (on_the_way := self._on_the_way(entry, ids)) is not None:
-            if isinstance(on_the_way, Writer):
-                wanted = entry.plan_wanted = entry.plan_wanted or asyncio.get_running_loop().create_future()
-                if not await self.computing.wait(on_the_way, wanted, self.limits.request_timeout_s):
-                    break
-                continue
-            try:
-                await asyncio.wait_for(asyncio.shield(on_the_way), _ARRIVING_WAIT_S)
-            except asyncio.TimeoutError:
+        while (writer := self._on_the_way(entry, ids)) is not None:
+            wanted = entry.plan_wanted = entry.plan_wanted or asyncio.get_running_loop().create_future()
+            if not await self.computing.wait(writer, wanted, self.limits.request_timeout_s):
                 break
         total, usable = -(-n // bt), reusable_blocks(len(ids), n, bt)
         if self.tiers is not None and usable:
@@ -488,9 +478,8 @@ class KvShuttleStage(Stage):
         first = answer.hit if answer.ids else blocks.stop
         entry.answer_landed = [0] * (blocks.stop - first)
         if answer.new_slots:  # the next turn of this chat may arrive before they do: it waits for them
-            entry.answer_done = asyncio.get_running_loop().create_future()
-            for block_id in answer.ids[answer.hit :]:
-                self.arriving[block_id] = entry.answer_done
+            entry.answer_writer = self.computing.add(0, answer.ids[answer.hit :], began=True,
+                                                     patience_s=_ARRIVING_WAIT_S)
         reply = KvReturnSlots(rid, self.address, ARENA, self.arena.num_slots, first * bt, answer.new_slots)
         await self.send_output("kv", entry.route, reply)
         if not answer.new_slots:
@@ -527,13 +516,8 @@ class KvShuttleStage(Stage):
         quarantine = _LATE_WRITES_S if unfinished else 0.0
         self.store.release(rid, quarantine)
         self.store.release((rid, "answer"), quarantine)
-        self.computing.done(entry.writer)
-        if entry.answer_done is not None:  # committed or given up: whoever waits for it goes on
-            for block_id in entry.answer.ids[entry.answer.hit :]:
-                if self.arriving.get(block_id) is entry.answer_done:
-                    del self.arriving[block_id]
-            if not entry.answer_done.done():
-                entry.answer_done.set_result(None)
+        self.computing.done(entry.writer)  # stored, or never will be: whoever waits goes on
+        self.computing.done(entry.answer_writer)
         entry.decode_destination.cancel()
         for task in entry.tasks:
             task.cancel()
