@@ -442,7 +442,10 @@ static void a16_rows(const int16_t *w, const float *sw, const int16_t *xq, const
  * lanes of 32 weight bytes hold four nibbles each, taken out by shifts and masks (low nibble of the
  * lane's first byte, its high nibble, then the second byte's), so lanes 0-7 are the first group's
  * and 8-15 the second's in each of the four vectors; xp holds x's int16 activations in that order
- * (pair_order16). The two groups' sums land in the two 128-bit halves, scaled by one vector. */
+ * (pair_order16). The two groups' sums land in the two 128-bit halves and are scaled by one vector:
+ * x's scales laid out per pair once per product, the row's two weight scales in one 8-byte load
+ * spread over the halves (no scalar arithmetic per group); the low term is a vector dot of the
+ * row's lows with x's group sums after the loop. */
 static void pair_order16(const int16_t *xq, int64_t k, int16_t *xp) {
     for (int64_t c = 0; c < k; c += 2 * GROUP)
         for (int v = 0; v < 4; v++)
@@ -455,13 +458,16 @@ static void pair_order16(const int16_t *xq, int64_t k, int16_t *xp) {
 static void q4a16_row_pairs(const int16_t *xp, const float *xs, const float *xsum, int64_t k, const uint8_t *q,
                             const float *scale, const float *low, int64_t n_out, float *y, int threads) {
     const int64_t groups = k / GROUP;
+    float xs_pairs[4 * 256] __attribute__((aligned(32)));  /* x's scale of each group, in 4 lanes (k <= 8192) */
+    for (int64_t g = 0; g < groups; g += 2)
+        _mm256_store_ps(xs_pairs + 4 * g, _mm256_set_m128(_mm_set1_ps(xs[g + 1]), _mm_set1_ps(xs[g])));
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < n_out; n++) {
         const uint8_t *qn = q + n * (k / 2);
         const float *sn = scale + n * groups, *ln = low + n * groups;
         const __m256i nibble = _mm256_set1_epi16(15);
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        float base = 0.0f;
         for (int64_t g = 0; g < groups; g += 2) {
             const __m256i b = _mm256_loadu_si256((const __m256i *)(qn + g * (GROUP / 2)));
             const int16_t *x = xp + g * GROUP;
@@ -472,13 +478,17 @@ static void q4a16_row_pairs(const int16_t *xp, const float *xs, const float *xsu
                                                       _mm256_loadu_si256((const __m256i *)(x + 32))));
             s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_srli_epi16(b, 12),
                                                       _mm256_loadu_si256((const __m256i *)(x + 48))));
-            const __m256 f = _mm256_set_m128(_mm_set1_ps(sn[g + 1] * xs[g + 1]), _mm_set1_ps(sn[g] * xs[g]));
-            const __m256 d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, a0);
+            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd((const double *)(sn + g))), halves);
+            const __m256 d = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_load_ps(xs_pairs + 4 * g)), sw, a0);
             a0 = a1;
             a1 = d;
-            base += ln[g] * xsum[g] + ln[g + 1] * xsum[g + 1];
         }
-        y[n] = reduce8(_mm256_add_ps(a0, a1)) + base;
+        __m256 lb = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= groups; g += 8) lb = _mm256_fmadd_ps(_mm256_loadu_ps(ln + g), _mm256_loadu_ps(xsum + g), lb);
+        float base = 0.0f;
+        for (; g < groups; g++) base += ln[g] * xsum[g];
+        y[n] = reduce8(_mm256_add_ps(_mm256_add_ps(a0, a1), lb)) + base;
     }
 }
 
