@@ -16,6 +16,7 @@ _EPILOG = """examples:
   pdflow bench serve --base-url URL   load an OpenAI-compatible server: TTFT, TBT, goodput
   pdflow bench engine                 the bare engine per weight format, beside transformers
   pdflow bench disk                   the KV store's disk tier beside dd, file I/O and memcpy
+  pdflow bench kv-codecs              each KV codec's bytes, quality cost and speed
   pdflow trace cmpl-...               a request's timeline as a Perfetto trace, a PNG and its KV tail
   pdflow keys new pipeline.key        a pipeline secret for [security] secret_file (multi-host)
 """
@@ -115,6 +116,11 @@ def _bench_parser(sub) -> None:
     disk.add_arguments(bench_sub.add_parser(
         "disk", help="the KV store's disk tier beside dd, plain file I/O and memcpy",
         description=disk.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+    from pdflow.bench import kv_codecs
+
+    kv_codecs.add_arguments(bench_sub.add_parser(
+        "kv-codecs", help="each KV codec's bytes per token, quality cost (agreement, KL, perplexity) and speed",
+        description=kv_codecs.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _trace_parser(sub) -> None:
@@ -139,6 +145,10 @@ def _bench(args) -> int:
         from pdflow.bench import engine
 
         return engine.main(args)
+    if args.bench_command == "kv-codecs":
+        from pdflow.bench import kv_codecs
+
+        return kv_codecs.main(args)
     if args.bench_command == "disk":
         from pdflow.bench import disk
 
@@ -173,7 +183,8 @@ def _validate(args) -> int:
                      + (f", chunked prefill {engine.chunked_prefill_tokens} tokens" if engine.chunked_prefill_tokens else "")
                      + "\n")
     for link in () if topology.colocated else topology.links:
-        sys.stdout.write(f"  link {link.src} -> {link.dst}: {link.transport}\n")
+        codec = "" if link.codec == "none" else f", KV encoded {link.make_codec().spec}"
+        sys.stdout.write(f"  link {link.src} -> {link.dst}: {link.transport}{codec}\n")
     return 0
 
 

@@ -14,11 +14,12 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 7  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+PROTOCOL_VERSION = 8  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
 # 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked);
 # 5: tokens straight to ingress, decode's KV destinations in pool slots; 6: KV computed and attended in the
 # store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore); 7: the disk tier (KvExpected.keep_s, PlanWanted,
-# KvForget, heartbeat notes)
+# KvForget, heartbeat notes); 8: KV codecs (KvChunkHeader.codec, codec_block: an older receiver would take encoded
+# bytes for KV)
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -354,6 +355,11 @@ class KvChunkHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
     The payload is written into the receiver's registered ``region`` at ``offset``; ``checksum``
     is the xxh3-64 of the payload (:func:`pdflow.kv.layout.checksum`), verified on arrival.
     Receivers count what has landed by the token range.
+
+    ``codec``: how the payload is encoded (:attr:`pdflow.kv.codecs.KvCodec.spec`; "none": the
+    KV's own bytes), block by block of ``codec_block`` tokens. An encoded payload lands at the
+    start of the span its ``shape`` and ``dtype`` take in the region and is decoded there
+    (:mod:`pdflow.kv.coded`); ``nbytes`` and ``checksum`` are the encoded payload's.
     """
 
     request_id: str
@@ -367,6 +373,8 @@ class KvChunkHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
     offset: int
     nbytes: int
     checksum: int
+    codec: str = "none"
+    codec_block: int = 0
 
 
 ControlMessage = (

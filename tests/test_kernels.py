@@ -88,7 +88,7 @@ def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):
         pytest.skip(kernels.unavailable_reason() or "no compiler")
     target = tmp_path / "portable.so"
     subprocess.run([compiler, "-O2", "-mno-avx2", "-fopenmp", "-shared", "-fPIC", "-o", str(target),
-                    str(kernels.SOURCE), "-lm"], check=True, capture_output=True, timeout=300)
+                    *map(str, kernels.SOURCES), "-lm"], check=True, capture_output=True, timeout=300)
     portable = kernels._declare(ctypes.CDLL(str(target)))
     torch.manual_seed(7)
     products = {"int4": "pdflow_q4_gemm", "int8": "pdflow_q8_gemm", "int4-a16": "pdflow_q4a16_gemm",

@@ -203,7 +203,7 @@ def test_field_order_is_pinned() -> None:
     assert _names(Tokens) == ["request_id", "index", "token_ids", "finish_reason", "timeline", "cached_tokens"]
     assert _names(KvChunkHeader) == [
         "request_id", "layer", "kind", "token_start", "token_end", "dtype", "shape",
-        "region", "offset", "nbytes", "checksum",
+        "region", "offset", "nbytes", "checksum", "codec", "codec_block",
     ]
     assert _names(SamplingParams) == [
         "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",

@@ -77,6 +77,17 @@ def test_replicas_addresses_and_links() -> None:
         t.stages["ingress"].data_port_of(0)
 
 
+def test_a_link_codec_and_the_return_links_that_inherit_it() -> None:
+    t = parse("[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "int4"',
+              "codec_options = { key_group = 32 }")
+    assert [(link.src, link.dst, link.make_codec().spec) for link in t.links] == [
+        ("prefill", "kv_shuttle", "int4:key_group=32"), ("kv_shuttle", "decode", "none"),
+        ("kv_shuttle", "prefill", "int4:key_group=32"), ("decode", "kv_shuttle", "int4:key_group=32")]
+    shm = parse("[kv]", "zero_copy = false", "[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"',
+                'transport = "shm"', 'codec = "int8"')  # copies, so there are bytes to encode
+    assert shm.link("prefill", "kv_shuttle").codec == "int8"
+
+
 def test_local_model_directory(tmp_path: Path) -> None:
     model = tmp_path / "models" / "tiny-llama"
     model.mkdir(parents=True)
@@ -163,6 +174,17 @@ BAD_FILES = [
     ("two transports into kv_shuttle", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'transport = "tcp"',
                                          "[[links]]", 'src = "decode"', 'dst = "kv_shuttle"', 'transport = "inproc"'],
      "links[1].transport", 8, "kv_shuttle receives KV on one data port"),
+    ("unknown codec", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "zstd"'],
+     "links[0].codec", 4, "unknown KV codec 'zstd'; known: none, int8, int4"),
+    ("bad codec option", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "int4"',
+                          "codec_options = { value_group = -1 }"],
+     "links[0].codec_options", 5, "value_group must be an integer >= 0"),
+    ("unknown codec option", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "int8"',
+                              "codec_options = { bits = 3 }"],
+     "links[0].codec_options", 5, "unknown int8 codec parameters ['bits']"),
+    ("codec on a zero-copy shm link", ["[[links]]", 'src = "kv_shuttle"', 'dst = "decode"', 'transport = "shm"',
+                                       'codec = "int8"'],
+     "links[0].codec", 5, "set zero_copy = false"),
     ("heartbeat timeout <= interval", ["[limits]", "heartbeat_interval_s = 1.0", "heartbeat_timeout_s = 1"],
      "limits.heartbeat_timeout_s", 3, "expected a number > limits.heartbeat_interval_s (1.0)"),
     ("shutdown grace too long", ["[limits]", "shutdown_grace_s = 10"],

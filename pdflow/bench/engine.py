@@ -30,9 +30,14 @@ SUBJECTS = ("the ocean", "volcanoes", "the moon", "bicycles", "coffee", "honey b
             "the Roman empire", "rainbows", "learning a language")
 
 
+MORE_SUBJECTS = ("glaciers", "the printing press", "octopuses", "jazz", "lighthouses", "sourdough bread",
+                 "the Silk Road", "thunderstorms", "origami", "public libraries")
+
+
 def chat_prompts(tokenizer, count: int = 100) -> list[list[int]]:
-    """``count`` chat prompts (10 tasks × 10 subjects, repeating past 100), templated and tokenized."""
-    texts = [task.format(subject) for task in TASKS for subject in SUBJECTS]
+    """``count`` chat prompts (10 tasks × 20 subjects, repeating past 200; the first 100 over the
+    first 10 subjects, as before there were 20), templated and tokenized."""
+    texts = [task.format(subject) for subjects in (SUBJECTS, MORE_SUBJECTS) for task in TASKS for subject in subjects]
     return [tokenizer.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}],
                                           add_generation_prompt=True, tokenize=True, return_dict=False)
             for i in range(count)]
@@ -50,7 +55,8 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
-def _median_time(fn, repeats: int, warmup: int = 2) -> float:
+def median_time(fn, repeats: int, warmup: int = 2) -> float:
+    """Seconds one call of ``fn`` takes: the median of ``repeats`` calls after ``warmup``."""
     for _ in range(warmup):
         fn()
     times = []
@@ -90,12 +96,12 @@ def pdflow_times(loaded, batches, prefills, context: int, steps: int) -> dict:
                     sampler = Sampler(SamplingParams(max_tokens=steps * 4 + 8, temperature=0, ignore_eos=True))
                     add = target.add if target is batch else target.add_from
                     add(Sequence(str(i), context, 100 + i, sampler), kv.__getitem__)
-        out["decode_dense"][size] = _median_time(batch.step, steps)
-        out["decode"][size] = _median_time(paged.step, steps) if paged is not None else out["decode_dense"][size]
+        out["decode_dense"][size] = median_time(batch.step, steps)
+        out["decode"][size] = median_time(paged.step, steps) if paged is not None else out["decode_dense"][size]
     for tokens in prefills:
         ids = torch.randint(100, 40000, (1, tokens))
         positions = torch.arange(tokens)[None]
-        out["prefill"][tokens] = _median_time(lambda: loaded.model(ids, positions, None, _Discard()), 3, warmup=1)
+        out["prefill"][tokens] = median_time(lambda: loaded.model(ids, positions, None, _Discard()), 3, warmup=1)
     return out
 
 
@@ -123,10 +129,10 @@ def transformers_times(hf_model, batches, prefills, context: int, steps: int) ->
                 logits[:, -1].argmax(-1)
                 state["position"] += 1
 
-            out["decode"][size] = _median_time(step, steps)
+            out["decode"][size] = median_time(step, steps)
         for tokens in prefills:
             ids = torch.randint(100, 40000, (1, tokens))
-            out["prefill"][tokens] = _median_time(lambda: hf_model(input_ids=ids, use_cache=False), 3, warmup=1)
+            out["prefill"][tokens] = median_time(lambda: hf_model(input_ids=ids, use_cache=False), 3, warmup=1)
     return out
 
 
@@ -327,9 +333,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pdflow.bench import publish
+
     report = run(args)
-    sys.stdout.write(table(report) + "\n")
-    sys.stdout.write("repeat: pdflow bench engine " + " ".join(sys.argv[3:]) + "\n")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
+    publish("engine", report, table(report), args.out)
     return 0

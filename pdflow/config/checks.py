@@ -116,6 +116,20 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
 
         if problem := check_link_options(dict(link.options)):
             raise PipelineError(f"{key}.options", problem)
+        _check_codec(pipeline, link, key)
+
+
+def _check_codec(pipeline: Pipeline, link, key: str) -> None:
+    try:
+        codec = link.make_codec()
+    except (LookupError, ImportError) as exc:
+        raise PipelineError(f"{key}.codec", str(exc).strip("'\"")) from None
+    except (TypeError, ValueError) as exc:
+        raise PipelineError(f"{key}.codec_options", str(exc)) from None
+    if not codec.lossless and link.transport == "shm" and pipeline.kv.zero_copy:
+        raise PipelineError(f"{key}.codec", f"with kv.zero_copy, an shm link moves no KV bytes, so codec "
+                            f"{link.codec!r} would encode nothing; set zero_copy = false in [kv] to encode KV on "
+                            "this link, or use the codec on a tcp or ucx link")
 
 
 def _check_router(pipeline: Pipeline) -> None:

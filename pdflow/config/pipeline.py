@@ -235,10 +235,21 @@ class StageConfig:
 
 @dataclass(frozen=True, slots=True)
 class LinkConfig:
+    """One data-plane link. ``codec``: how KV is encoded on it (:mod:`pdflow.kv.codecs`; "none":
+    as it is), with ``codec_options`` its parameters."""
+
     src: str
     dst: str
     transport: str = "tcp"
     options: dict[str, Any] = field(default_factory=dict)
+    codec: str = "none"
+    codec_options: dict[str, Any] = field(default_factory=dict)
+
+    def make_codec(self):
+        """The link's codec (LookupError / ImportError / TypeError / ValueError if it cannot be)."""
+        from pdflow.kv.codecs import codec
+
+        return codec(self.codec, **self.codec_options)
 
 
 @dataclass(frozen=True, slots=True)

@@ -334,7 +334,8 @@ def _cores(r: TableReader, key: str, value: Any) -> tuple[int, ...]:
 def _links(r: TableReader, value: Any, mode: str) -> tuple[LinkConfig, ...]:
     """The [[links]] tables. In the disaggregated mode a built-in pair not written is tcp, except
     the return links (kv_shuttle -> prefill, decode -> kv_shuttle): they default to the link
-    prefill -> kv_shuttle, so one setting moves all KV (and kv_shuttle receives over one transport)."""
+    prefill -> kv_shuttle (transport, options and codec), so one setting moves all KV (and
+    kv_shuttle receives over one transport)."""
     if not isinstance(value, list):
         raise r.error("links", f"expected an array of tables ([[links]]), got {describe(value)}")
     found: dict[tuple[str, str], LinkConfig] = {}
@@ -342,7 +343,7 @@ def _links(r: TableReader, value: Any, mode: str) -> tuple[LinkConfig, ...]:
         key = f"links[{i}]"
         if not isinstance(t, dict):
             raise r.error(key, f"expected a table, got {describe(t)}")
-        r.check_keys(t, key, ("src", "dst", "transport", "options"))
+        r.check_keys(t, key, ("src", "dst", "transport", "options", "codec", "codec_options"))
         for end in ("src", "dst"):
             if end not in t:
                 pairs = " or ".join(f"{s} -> {d}" for s, d in LINK_PAIRS)
@@ -352,12 +353,15 @@ def _links(r: TableReader, value: Any, mode: str) -> tuple[LinkConfig, ...]:
             raise r.error(key, f"link {src} -> {dst} is already defined by "
                           f"links[{list(found).index((src, dst))}]")
         transport = r.string(t, key, "transport", "tcp", non_empty=True)
-        found[(src, dst)] = LinkConfig(src, dst, transport, _table(r, t, key, "options"))
+        found[(src, dst)] = LinkConfig(src, dst, transport, _table(r, t, key, "options"),
+                                       r.string(t, key, "codec", "none", non_empty=True),
+                                       _table(r, t, key, "codec_options"))
     if mode == "disaggregated":
         for pair in LINK_PAIRS:
             model = found.get(("prefill", "kv_shuttle")) if pair in _RETURN_LINKS else None
             found.setdefault(pair, LinkConfig(*pair) if model is None else
-                             LinkConfig(*pair, transport=model.transport, options=model.options))
+                             LinkConfig(*pair, transport=model.transport, options=model.options,
+                                        codec=model.codec, codec_options=model.codec_options))
     return tuple(found.values())
 
 

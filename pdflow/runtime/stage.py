@@ -155,6 +155,16 @@ class Stage:
         return {}
 
     @staticmethod
+    def codec_stats(*transports) -> dict[str, int]:
+        """For :meth:`stats`: the KV chunks ``transports`` (this stage's data-plane endpoints)
+        encoded and decoded with links' codecs, and their bytes (nothing where no codec is used)."""
+        totals: dict[str, int] = {}
+        for transport in transports:
+            for name, value in (getattr(transport, "counts", None) or {}).items():
+                totals[name] = totals.get(name, 0) + value
+        return {name: value for name, value in totals.items() if any(totals.values())}
+
+    @staticmethod
     def copy_stats(*senders) -> dict[str, int]:
         """For :meth:`stats`: the KV bytes ``senders`` (data-plane transports) copied into their
         peers' memory and the bytes they found already in place, where they count them (shm)."""
@@ -193,24 +203,28 @@ class Stage:
 
     def kv_sender(self, output: str):
         """A data-plane transport that writes KV to the stage ``output`` names, over the pipeline's
-        link to it."""
+        link to it (encoding KV chunks with the link's codec)."""
         from pdflow import transports
+
+        from pdflow.kv.coded import CodedTransport
 
         link = self.pipeline.link(self.ctx.stage, self.output(output))
         transport = transports.create(link.transport, host=self.config.host, **link.options)
         transport.authenticate(self.data_key)
-        return transport
+        return CodedTransport(transport, link.make_codec(), self.pipeline.kv.block_tokens)
 
     def kv_receiver(self, output: str):
         """This replica's data-plane endpoint (on its data port) for KV from the stage ``output``
-        names, over the pipeline's link from it; not started yet."""
+        names, over the pipeline's link from it; not started yet. Encoded KV (a link's codec) is
+        decoded where it lands before its notice comes out."""
         from pdflow import transports
+        from pdflow.kv.coded import CodedTransport
 
         link = self.pipeline.link(self.output(output), self.ctx.stage)
         transport = transports.create(link.transport, host=self.config.host,
                                       port=self.config.data_port_of(self.replica), **link.options)
         transport.authenticate(self.data_key)
-        return transport
+        return CodedTransport(transport)
 
     @property
     def data_key(self) -> bytes | None:

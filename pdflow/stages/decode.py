@@ -134,7 +134,7 @@ class DecodeStage(Stage):
         }
 
     def stats(self) -> dict[str, int]:
-        sent = self.copy_stats(self.to_shuttle)
+        sent = {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.from_shuttle, self.to_shuttle)}
         if self.pool is None:
             return {**sent, "attends_in_store": int(self.in_place)}
         return {**sent, "pool_blocks": self.pool.arena.num_slots, "pool_free_blocks": self.pool.free_slots,

@@ -54,10 +54,10 @@ def _table(settings: dict | None) -> str:
 def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str = "disaggregated",
                   chunked_prefill_tokens: int = 0, kv_streaming: str = "layer",
                   link_options: dict | None = None, request_timeout_s: float = 120, kv: dict | None = None,
-                  server: dict | None = None, egress: bool = False) -> str:
+                  server: dict | None = None, egress: bool = False, codec: str = "none") -> str:
     """A topology on ports ``base`` .. ``base + 10``; ``link_options`` go on the prefill -> kv_shuttle
     link; ``kv`` and ``server``: more settings of the [kv] and [server] tables; ``egress``: an
-    egress stage detokenizes (else ingress does)."""
+    egress stage detokenizes (else ingress does); ``codec``: every link's KV codec."""
     common = f"""
 [model]
 source = "smollm2"
@@ -120,11 +120,13 @@ src = "prefill"
 dst = "kv_shuttle"
 transport = "{transport}"
 options = {_inline(link_options)}
+codec = "{codec}"
 
 [[links]]
 src = "kv_shuttle"
 dst = "decode"
 transport = "{transport}"
+codec = "{codec}"
 {extra}
 """
 
@@ -136,7 +138,7 @@ class PdflowServer:
                  log_format: str = "console", mode: str = "disaggregated", chunked_prefill_tokens: int = 0,
                  kv_streaming: str = "layer", link_options: dict | None = None, request_timeout_s: float = 120,
                  kv: dict | None = None, api_key: str | None = None, server: dict | None = None,
-                 egress: bool = False):
+                 egress: bool = False, codec: str = "none"):
         from pdflow.security.keys import new_secret
 
         self.workdir = workdir
@@ -148,7 +150,7 @@ class PdflowServer:
         self.topology = workdir / "topology.toml"
         self.topology.write_text(
             topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options,
-                          request_timeout_s, kv, server, egress)
+                          request_timeout_s, kv, server, egress, codec)
         )
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s

@@ -26,6 +26,7 @@ from pdflow.transports.errors import (
     PeerUnreachable,
     TransportClosed,
     TransportError,
+    UndecodableChunk,
     UnknownRegion,
 )
 from pdflow.transports.regions import byte_view
@@ -41,6 +42,7 @@ __all__ = [
     "Transport",
     "TransportClosed",
     "TransportError",
+    "UndecodableChunk",
     "UnknownRegion",
     "availability",
     "byte_view",

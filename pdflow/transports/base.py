@@ -123,6 +123,10 @@ class Transport(ABC):
         self.register(region, buffer)
         return buffer
 
+    def region_memory(self, region: int) -> memoryview | None:
+        """The bytes of registered region ``region`` (where chunks for it land), or None."""
+        return self._regions.get(region)
+
     def address_for(self, region: int) -> str:
         """The address a sender passes to :meth:`write` for ``region`` (what NIXL calls the
         remote metadata). Most transports need only :attr:`address`; one whose senders map the

@@ -43,6 +43,11 @@ class OutOfBounds(TransportError):
     """``offset + nbytes`` lies beyond the region (or the offset is negative)."""
 
 
+class UndecodableChunk(TransportError):
+    """A chunk whose encoding this receiver cannot decode (a codec it does not know, a length or
+    shape that does not fit); its span holds nothing usable."""
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkNotice:
     """One chunk that reached this receiver.

@@ -51,6 +51,7 @@ from typing import Any
 
 from pdflow.messages import KvChunkHeader
 from pdflow.transports.base import Transport, byte_view
+from pdflow.transports.delegating import DelegatingTransport
 from pdflow.transports.errors import ChunkNotice, TransportClosed
 
 __all__ = [
@@ -205,7 +206,7 @@ class TokenBucket:
         return now + max(0.0, -self._tokens) / self.rate
 
 
-class ShapedTransport(Transport):
+class ShapedTransport(DelegatingTransport):
     """``inner`` behind an emulated link; see the module docstring for the model.
 
     ``bandwidth`` is in bytes per second (None: unlimited), ``latency`` in seconds. Every other
@@ -214,13 +215,12 @@ class ShapedTransport(Transport):
 
     def __init__(self, inner: Transport, bandwidth: float | None = None, latency: float = 0.0,
                  faults: LinkFaults | None = None) -> None:
-        # Transport.__init__ is not called on purpose: regions, notices and state are inner's.
         if bandwidth is not None and bandwidth <= 0:
             raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
         if latency < 0:
             raise ValueError(f"latency must be >= 0 s, got {latency}")
-        self.inner, self.bandwidth, self.latency = inner, bandwidth, latency
-        self.cross_process = inner.cross_process  # type: ignore[misc]
+        super().__init__(inner)
+        self.bandwidth, self.latency = bandwidth, latency
         self._bucket = TokenBucket(bandwidth, burst_bytes(bandwidth)) if bandwidth else None
         self._in_order = asyncio.Lock()  # writes leave the bucket in call order
         self._held: ChunkNotice | None = None  # landed, its latency not yet over
@@ -230,37 +230,12 @@ class ShapedTransport(Transport):
         self._rng = random.Random(faults.seed) if faults else None
         self.injected = {"dropped": 0, "corrupted": 0, "stalled": 0}
 
-    def __getattr__(self, name: str) -> Any:  # name, host, port, options, transport extras
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    @property
-    def copy_counts(self) -> dict[str, int] | None:  # type: ignore[override]
-        return self.inner.copy_counts
-
     def __repr__(self) -> str:
         return (f"ShapedTransport({self.inner!r}, bandwidth={self.bandwidth}, latency={self.latency}, "
                 f"faults={self.faults})")
 
-    @property
-    def address(self) -> str:
-        return self.inner.address
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    def register(self, region: int, buffer: Any) -> None:
-        self.inner.register(region, buffer)
-
-    def allocate(self, region: int, nbytes: int) -> memoryview:
-        return self.inner.allocate(region, nbytes)
-
-    def address_for(self, region: int) -> str:
-        return self.inner.address_for(region)
-
-    def unregister(self, region: int) -> None:
-        self.inner.unregister(region)
+    async def peer_memory(self, address: str, region: int) -> memoryview | None:
+        return None  # the emulated wire must carry the bytes: no writing straight into a peer's memory
 
     async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
         if self.faults is not None and not self._closing.is_set():

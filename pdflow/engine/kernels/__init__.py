@@ -1,6 +1,7 @@
-"""pdflow's own CPU kernels (``qgemm.c``): int8 and int4 weight-only matrix products, and the
-small fused steps of a decode layer (RMSNorm, rotary embedding, SiLU-gated product), and decode
-attention that reads each sequence's keys and values where they are.
+"""pdflow's own CPU kernels: int8 and int4 weight-only matrix products, the small fused steps of
+a decode layer (RMSNorm, rotary embedding, SiLU-gated product) and decode attention that reads
+each sequence's keys and values where they are (``qgemm.c``); the integer KV codecs' encode and
+decode (``kvquant.c``).
 
 Why our own: on this project's CPUs, PyTorch's weight-only kernels (``aten._weight_int8pack_mm``,
 ``aten._weight_int4pack_mm_for_cpu``, the ones torchao's CPU paths call) made the decode step
@@ -9,7 +10,7 @@ of the bytes (docs/benchmarks.md, "Engine"). These read each weight once per cal
 rows of a decode batch. At a decode step's size, one fused call also costs less than the four to
 eight PyTorch operations it replaces, whose dispatch outweighs their arithmetic.
 
-The C file is compiled on first use with the host's compiler (``$CC``, else ``cc``/``gcc``) for
+The C files are compiled on first use with the host's compiler (``$CC``, else ``cc``/``gcc``) for
 the host's CPU (``-O3 -march=native -fopenmp``) into ``$PDFLOW_CACHE_DIR/kernels/`` (default
 ``~/.cache/pdflow/kernels``), keyed by the source, the compiler and the CPU, under a file lock
 (prefill and decode start together). :func:`library` returns None, and says why once in the log,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdflow.engine.kernels")
 
 SOURCE = Path(__file__).with_name("qgemm.c")
+SOURCES = (SOURCE, Path(__file__).with_name("kvquant.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 MAX_ROWS = 64  # rows of x one call takes (the C side's tiles); more go to sgemm
@@ -105,7 +107,7 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_identity().encode()
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + version.encode() + _cpu_identity().encode()
                          + " ".join(FLAGS).encode()).hexdigest()[:16]
     directory = _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -118,7 +120,7 @@ def _build(compiler: str) -> Path:
             return target
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), *LIBS],
+            result = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), *LIBS],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -143,6 +145,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                             p, p, i64, i64, ctypes.c_float, p, i32]
     lib.pdflow_decode_layers.argtypes = [ctypes.POINTER(Layer), i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                                          p, p, p, p, p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, i32]
+    if hasattr(lib, "pdflow_kv_encode"):  # a build of qgemm.c alone (scripts/compare_kernel_builds.py) has none
+        lib.pdflow_kv_encode.argtypes = [p, i64, i64, i64, i32, i64, i32, i32, p, i64]
+        lib.pdflow_kv_encode.restype = i32
+        lib.pdflow_kv_decode.argtypes = [p, i64, i64, i64, i64, i32, i64, i32, i32, p]
+        lib.pdflow_kv_decode.restype = None
     for fn in (lib.pdflow_decode_layers, lib.pdflow_q8_gemm, lib.pdflow_q4_gemm, lib.pdflow_q8a8_gemm, lib.pdflow_q4a8_gemm,
                lib.pdflow_q8a16_gemm, lib.pdflow_q4a16_gemm, lib.pdflow_q8_dequantize, lib.pdflow_q4_dequantize,
                lib.pdflow_rms_norm, lib.pdflow_rope, lib.pdflow_silu_mul, lib.pdflow_decode_attention):

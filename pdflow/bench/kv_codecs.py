@@ -1,0 +1,247 @@
+"""``pdflow bench kv-codecs``: for each KV codec, the bytes it saves, the quality it costs and its
+speed, against uncompressed KV on the same tokens, from one run.
+
+Quality, with the model's weights in fp32 so that only the KV differs:
+
+- **agree / same**: chat prompts (10 tasks x 20 subjects) are prefilled, their KV goes through the
+  codec block by block (encoded and decoded as a link or a store tier would), and the uncompressed
+  KV's greedy answer is fed after it (teacher forcing): agree is the share of positions where the
+  codec's KV gives the same top-1 next token as the uncompressed KV, same the answers whose every
+  position agrees (with compressed KV the greedy answer would be identical).
+- **KL**: the mean KL divergence of the next-token distribution, uncompressed || compressed, over
+  the same positions.
+- **ppl**: perplexity of held-out English text, each window's first ``--context`` tokens prefilled
+  and passed through the codec, the next ``--scored`` tokens scored with that past; ``--long``
+  adds windows with a 4,096-token past. The text: the documentation topics Python ships in its
+  standard library (``pydoc_data.topics``, the Python Software Foundation License), those in the
+  second half of the sorted topic names (the first half is left for calibration).
+
+Bytes per token are keys and values of every layer in full blocks; speed is encode + decode of one
+layer's 4,096-token chunk on one thread (median of 7), beside a memcpy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+DESCRIPTION = __doc__
+DEFAULT_CODECS = ("none", "int8", "int8:symmetric=0", "int4", "int4:symmetric=1",
+                  "int4:key_group=32,value_group=32")
+
+
+def held_out_text() -> str:
+    """English prose (Python's documentation topics, PSF licence) not used for calibration."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    return "\n\n".join(topics[name] for name in names[len(names) // 2:])
+
+
+def compressed(codec, keys, values, block_tokens: int):
+    """Per layer, ``keys`` and ``values`` (token-major ``(tokens, kv_heads, head_dim)``) after a
+    trip through ``codec``, block by block."""
+    from pdflow.kv.layout import KEYS, VALUES
+
+    out = ([], [])
+    for kind, tensors in ((KEYS, keys), (VALUES, values)):
+        for x in tensors:
+            back = x.new_empty(x.shape)
+            codec.decode_run(codec.encode_run(x.contiguous(), kind, block_tokens), kind, back, block_tokens)
+            out[kind].append(back)
+    return out
+
+
+def prompt_kv(loaded, ids: list[int]):
+    """Per layer, the keys and values of ``ids`` prefilled (token-major)."""
+    import torch
+    from pdflow.engine.chunked import AccumulatingCache
+
+    cache = AccumulatingCache(loaded.num_layers)
+    loaded.model(torch.tensor([ids]), torch.arange(len(ids))[None], None, cache)
+    return ([k[0].transpose(0, 1) for k in cache.keys], [v[0].transpose(0, 1) for v in cache.values])
+
+
+def logits_after(loaded, keys, values, ids: list[int]):
+    """Next-token logits at every position of ``ids`` fed after a past of ``keys``/``values``."""
+    import torch
+    from pdflow.engine.chunked import AccumulatingCache
+    from pdflow.engine.forward import causal_mask
+    from pdflow.kv.layout import torch_dtype
+
+    start = keys[0].shape[0]
+    cache = AccumulatingCache(loaded.num_layers)
+    cache.keys = [k.transpose(0, 1)[None] for k in keys]
+    cache.values = [v.transpose(0, 1)[None] for v in values]
+    end = start + len(ids)
+    mask = causal_mask(start, end, loaded.device, torch_dtype(loaded.layout.dtype))
+    return loaded.model(torch.tensor([ids]), torch.arange(start, end)[None], mask, cache, every_position=True)[0]
+
+
+def codec_speed(codec, layout, tokens: int = 4096, block_tokens: int = 64, repeats: int = 7) -> dict:
+    """Encode and decode GB/s of one layer's keys and values of ``tokens`` tokens on this thread,
+    and memcpy's of the same bytes."""
+    import torch
+    from pdflow.bench.engine import median_time
+    from pdflow.kv.layout import KEYS, VALUES
+
+    x = torch.randn(tokens, layout.num_kv_heads, layout.head_dim)
+    back = torch.empty_like(x)
+
+    def best(fn):
+        return median_time(fn, repeats, warmup=1)
+
+    copy = best(lambda: back.copy_(x))
+    encode = decode = 0.0
+    for kind in (KEYS, VALUES):
+        data = codec.encode_run(x, kind, block_tokens)
+        encode += best(lambda: codec.encode_run(x, kind, block_tokens))
+        decode += best(lambda: codec.decode_run(data, kind, back, block_tokens))
+    raw = 2 * x.nbytes
+    return {"encode_gbs": raw / encode / 1e9, "decode_gbs": raw / decode / 1e9,
+            "both_gbs": raw / (encode + decode) / 1e9, "memcpy_gbs": x.nbytes / copy / 1e9}
+
+
+def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from pdflow.bench.engine import chat_prompts, greedy_answers
+    from pdflow.engine import load_model, load_tokenizer
+    from pdflow.kv.codecs import from_spec
+    from pdflow.kv.layout import KEYS, VALUES
+    from pdflow.models import resolve
+
+    torch.set_num_threads(args.threads)
+    codecs = {spec: from_spec(spec) for spec in args.codecs}
+    model_dir = resolve(args.model, progress=False)
+    loaded = load_model(model_dir, weights=args.weights)
+    layout = loaded.layout
+    tokenizer = load_tokenizer(model_dir)
+    bt = args.block_tokens
+    report: dict = {"model": args.model, "weights": args.weights, "block_tokens": bt, "prompts": args.prompts,
+                    "tokens": args.tokens, "codecs": {}}
+    fp32_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 4
+    for spec, codec in codecs.items():
+        per_block = sum(codec.encoded_bytes(bt, kind, layout.num_kv_heads, layout.head_dim, layout.itemsize)
+                        for kind in (KEYS, VALUES))
+        torch.set_num_threads(1)
+        speed = codec_speed(codec, layout, block_tokens=bt)
+        torch.set_num_threads(args.threads)
+        report["codecs"][spec] = {"bytes_per_token": layout.num_layers * per_block / bt,
+                                  "fp32_bytes_per_token": fp32_token, **speed,
+                                  "kl": [], "agree": 0, "positions": 0, "same": 0, "nll": {}, "scored": {}}
+    rows = report["codecs"]
+
+    prompts = chat_prompts(tokenizer, args.prompts) if args.prompts else []
+    if prompts:
+        progress.write(f"greedy answers of {len(prompts)} prompts with uncompressed KV ...\n")
+        answers = greedy_answers(loaded, prompts, args.tokens)
+        for i, (ids, answer) in enumerate(zip(prompts, answers)):
+            if i % 20 == 0:
+                progress.write(f"prompt {i + 1}/{len(prompts)} ...\n")
+            keys, values = prompt_kv(loaded, ids)
+            reference = F.log_softmax(logits_after(loaded, keys, values, answer[:-1]).float(), dim=-1)
+            for spec, codec in codecs.items():
+                row = rows[spec]
+                logp = reference if codec.lossless else F.log_softmax(
+                    logits_after(loaded, *compressed(codec, keys, values, bt), answer[:-1]).float(), dim=-1)
+                kl = (reference.exp() * (reference - logp)).sum(-1)
+                agree = int((logp.argmax(-1) == reference.argmax(-1)).sum())
+                row["kl"].append(float(kl.mean()))
+                row["agree"] += agree
+                row["positions"] += logp.shape[0]
+                row["same"] += agree == logp.shape[0]
+
+    text_ids = tokenizer.encode(held_out_text()) if args.windows else []
+    for context, windows in ((args.context, args.windows), (4096, args.long_windows if args.long else 0)):
+        span = context + args.scored
+        for w in range(min(windows, len(text_ids) // span)):
+            progress.write(f"perplexity: {context}-token past, window {w + 1}/{windows} ...\n")
+            ids = text_ids[w * span:(w + 1) * span]
+            keys, values = prompt_kv(loaded, ids[:context])
+            targets = torch.tensor(ids[context + 1:])
+            for spec, codec in codecs.items():
+                past = (keys, values) if codec.lossless else compressed(codec, keys, values, bt)
+                logits = logits_after(loaded, *past, ids[context:-1]).float()
+                nll = float(F.cross_entropy(logits, targets, reduction="sum"))
+                rows[spec]["nll"][str(context)] = rows[spec]["nll"].get(str(context), 0.0) + nll
+                rows[spec]["scored"][str(context)] = rows[spec]["scored"].get(str(context), 0) + len(targets)
+    for row in rows.values():
+        row["kl_mean"] = statistics.fmean(row["kl"]) if row["kl"] else None
+        row["agreement"] = row["agree"] / row["positions"] if row["positions"] else None
+        row["ppl"] = {c: float(torch.exp(torch.tensor(row["nll"][c] / row["scored"][c]))) for c in row["nll"]}
+        del row["kl"]
+    return report
+
+
+def table(report: dict) -> str:
+    rows = report["codecs"]
+    contexts = sorted({c for r in rows.values() for c in r["ppl"]}, key=int)
+    head = (f"{'codec':34s} {'B/token':>8s} {'vs fp32':>8s} {'vs fp16':>8s} {'agree':>8s} {'same':>5s} "
+            f"{'KL':>9s}" + "".join(f" {'ppl@' + c:>9s}" for c in contexts)
+            + f" {'enc GB/s':>9s} {'dec GB/s':>9s} {'both':>6s} {'memcpy':>7s}")
+    lines = [f"KV codecs on {report['model']} ({report['weights']} weights), {report['block_tokens']}-token blocks; "
+             f"{report['prompts']} prompts x {report['tokens']} tokens", head, "-" * len(head)]
+    for spec, r in rows.items():
+        fp32 = r["fp32_bytes_per_token"]
+        agree = f"{100 * r['agreement']:7.2f}%" if r["agreement"] is not None else f"{'-':>8s}"
+        kl = f"{r['kl_mean']:9.5f}" if r["kl_mean"] is not None else f"{'-':>9s}"
+        lines.append(f"{spec:34s} {r['bytes_per_token']:8.0f} {fp32 / r['bytes_per_token']:7.2f}x "
+                     f"{fp32 / 2 / r['bytes_per_token']:7.2f}x {agree} {r['same']:5d} {kl}"
+                     + "".join(f" {r['ppl'].get(c, float('nan')):9.3f}" for c in contexts)
+                     + f" {r['encode_gbs']:9.2f} {r['decode_gbs']:9.2f} {r['both_gbs']:6.2f} {r['memcpy_gbs']:7.1f}")
+    lines.append("agree: teacher-forced top-1 agreement with uncompressed KV; same: answers identical; KL: mean "
+                 "KL(uncompressed || codec) of the next-token distribution; ppl@N: perplexity with an N-token past "
+                 "through the codec; GB/s: fp32 bytes per second on one thread (enc + dec: both)")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    from pdflow.bench import plots
+
+    if not plots.available():
+        return None
+    plt = plots._pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for spec, r in report["codecs"].items():
+        if r["kl_mean"] is None:
+            continue
+        left.scatter(r["bytes_per_token"] / 1024, max(r["kl_mean"], 1e-7))
+        left.annotate(spec, (r["bytes_per_token"] / 1024, max(r["kl_mean"], 1e-7)), fontsize=7)
+        right.scatter(r["bytes_per_token"] / 1024, 100 * r["agreement"])
+        right.annotate(spec, (r["bytes_per_token"] / 1024, 100 * r["agreement"]), fontsize=7)
+    left.set(xlabel="KV KiB per token", ylabel="mean KL (uncompressed || codec)", yscale="log",
+             title="bytes against quality")
+    right.set(xlabel="KV KiB per token", ylabel="greedy agreement (%)", title="bytes against agreement")
+    return plots._save(plt, fig, path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="a known model or a Hugging Face directory (default: %(default)s)")
+    p.add_argument("--weights", default="fp32", help="the weight format (default: %(default)s, so only the KV differs)")
+    p.add_argument("--codecs", nargs="+", default=list(DEFAULT_CODECS),
+                   help="codec specs, e.g. int8 or int4:key_group=32 (default: %(default)s)")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=200, help="chat prompts; 0 skips agreement and KL (default: 200)")
+    p.add_argument("--tokens", type=int, default=64, help="answer tokens per prompt (default: %(default)s)")
+    p.add_argument("--windows", type=int, default=16, help="perplexity windows; 0 skips perplexity (default: 16)")
+    p.add_argument("--context", type=int, default=512, help="past tokens per perplexity window (default: 512)")
+    p.add_argument("--scored", type=int, default=256, help="tokens scored per window (default: %(default)s)")
+    p.add_argument("--long", action="store_true", help="also windows with a 4,096-token past")
+    p.add_argument("--long-windows", type=int, default=4, help="windows with --long (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="also write the report as JSON here")
+    p.add_argument("--plot", type=Path, help="draw bytes per token against KL and agreement (PNG, needs matplotlib)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from pdflow.bench import publish
+
+    report = run(args)
+    publish("kv-codecs", report, table(report), args.out)
+    if args.plot and plot(report, args.plot) is None:
+        sys.stderr.write("no plot: matplotlib is not installed\n")
+    return 0

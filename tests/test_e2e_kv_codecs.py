@@ -1,0 +1,88 @@
+"""End to end with a KV codec on every link (int8 over tcp): the prompt's KV is encoded as it
+leaves prefill and decoded where it lands, and the answers are those of the engine in this
+process given the prompt's KV after the same codec; a later turn reuses the stored prefix."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdflow.testing.server import PdflowServer
+
+pytestmark = pytest.mark.e2e
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Describe a cat in five words."]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    with PdflowServer(tmp_path_factory.mktemp("int8"), codec="int8") as running:
+        yield running
+
+
+def _reference(served_model, question: str, max_tokens: int) -> str:
+    """The greedy answer of the engine here, decode attending over the prompt's KV after a trip
+    through int8 (as decode's blocks hold it)."""
+    from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
+    from pdflow.kv.codecs import codec
+    from pdflow.kv.layout import KEYS, VALUES
+    from pdflow.messages import SamplingParams
+
+    loaded, tokenizer = served_model
+    int8 = codec("int8")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    kv = {}
+
+    def sink(layer, keys, values):
+        out = []
+        for kind, x in ((KEYS, keys), (VALUES, values)):
+            back = x.new_empty(x.shape)
+            int8.decode_run(int8.encode_run(x.contiguous(), kind, 64), kind, back, 64)
+            out.append(back.transpose(0, 1))
+        kv[layer] = tuple(out)
+
+    sampler = Sampler(SamplingParams(max_tokens=max_tokens, temperature=0))
+    first = prefill(loaded, ids, sampler, sink)
+    tokens = [first.first_token]
+    batch = DecodeBatch(loaded, max_batch=1)
+    batch.add(Sequence("reference", len(ids), first.first_token, sampler), kv.__getitem__)
+    while len(tokens) < max_tokens and tokens[-1] not in loaded.eos_token_ids:
+        tokens.extend(token for _, token in batch.step())
+    return tokenizer.decode([t for t in tokens if t not in loaded.eos_token_ids], skip_special_tokens=True)
+
+
+def _stats(url: str) -> dict:
+    return {name: stage.get("stats", {}) for name, stage in httpx.get(f"{url}/health", timeout=10).json()["stages"].items()}
+
+
+def test_answers_are_those_of_the_kv_after_the_codec(server, served_model):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for question in QUESTIONS:
+        reply = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                               temperature=0, max_tokens=16)
+        assert reply.choices[0].message.content == _reference(served_model, question, 16), question
+    time.sleep(1.5)  # a heartbeat carries the counters
+    stats = _stats(server.url)
+    prefill, shuttle, decode = stats["prefill-0"], stats["kv-shuttle-0"], stats["decode-0"]
+    assert prefill["kv_chunks_encoded"] >= 60 * len(QUESTIONS)  # every layer's keys and values
+    assert prefill["kv_bytes_before_encoding"] > 3.8 * prefill["kv_bytes_encoded"]
+    assert shuttle["kv_chunks_decoded"] >= prefill["kv_chunks_encoded"] and shuttle["kv_chunks_undecodable"] == 0
+    assert shuttle["kv_chunks_encoded"] > 0  # on to decode (and answers' blocks back in)
+    assert decode["kv_chunks_decoded"] > 0 and decode["kv_chunks_undecodable"] == 0
+
+
+def test_a_later_turn_reuses_the_stored_prefix_through_the_codec(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    history = [{"role": "user", "content": "Tell me about the ocean. " * 30}]
+    first = client.chat.completions.create(model="smollm2", messages=history, temperature=0, max_tokens=12)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And about rivers?"}]
+    second = client.chat.completions.create(model="smollm2", messages=history, temperature=0, max_tokens=12)
+    assert second.choices[0].message.content
+    assert second.usage.prompt_tokens_details.cached_tokens >= 128  # the prefix came from the store, encoded
+    time.sleep(1.5)
+    assert _stats(server.url)["prefill-0"]["kv_chunks_decoded"] > 0
