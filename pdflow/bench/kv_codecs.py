@@ -209,8 +209,9 @@ def plot(report: dict, path: Path) -> Path | None:
     for spec, r in report["codecs"].items():
         if r["kl_mean"] is None:
             continue
-        left.scatter(r["bytes_per_token"] / 1024, max(r["kl_mean"], 1e-7))
-        left.annotate(spec, (r["bytes_per_token"] / 1024, max(r["kl_mean"], 1e-7)), fontsize=7)
+        if r["kl_mean"] > 0:  # lossless: no point on a log scale
+            left.scatter(r["bytes_per_token"] / 1024, r["kl_mean"])
+            left.annotate(spec, (r["bytes_per_token"] / 1024, r["kl_mean"]), fontsize=7)
         right.scatter(r["bytes_per_token"] / 1024, 100 * r["agreement"])
         right.annotate(spec, (r["bytes_per_token"] / 1024, 100 * r["agreement"]), fontsize=7)
     left.set(xlabel="KV KiB per token", ylabel="mean KL (uncompressed || codec)", yscale="log",

@@ -107,8 +107,8 @@ class KvCodec:
         want = self.run_bytes(tokens, kind, kv_heads, head_dim, out.element_size(), block_tokens)
         if data.numel() != want:
             raise ValueError(f"{self.spec} encoding of {tokens} tokens is {want} bytes, got {data.numel()}")
-        if _overlaps(data, out):
-            data = data.clone()
+        if _overlaps(data, out):  # copied with numpy: torch's clone may wake its thread pool (ms)
+            data = torch.from_numpy(data.numpy().copy())
         full, rest = divmod(tokens, block_tokens)
         step = self.encoded_bytes(block_tokens, kind, kv_heads, head_dim, out.element_size())
         if full:

@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""What a KV codec buys on a slow link: the whole pipeline (tcp) with both KV links (prefill ->
+kv-shuttle, kv-shuttle -> decode, and the return links) emulated at ``--link-bandwidth``, once per
+codec, the codec on every link.
+
+For each link bandwidth, codec and repetition, a fresh server first serves one prompt of the same
+length twice (so that the pages of the store, of decode's pool and of prefill's prefix buffer are
+mapped, as on a server that has been running), then one cold ``--tokens``-token prompt (its KV streams
+layer by layer to the store and on to decode while prefill computes) and then the same prompt
+again, warm (its prefix, all but the last block, comes from the store: over the link to prefill,
+which computes the last block's tokens, and to decode). Reported per codec: the cold prompt's KV tail (prefill's last layer computed ->
+decode holds all KV) and whole transfer from its timeline, its TTFT, and the warm prompt's TTFT,
+both at the client; then each as a ratio of `none`'s from the same run (the codec's own encode
+and decode are inside every figure).
+
+    .venv/bin/python scripts/experiment_kv_codecs.py --out bench-results/kv-codecs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from pdflow.bench.experiments import Report
+from pdflow.testing.server import PdflowServer
+from pdflow.timeline import kv_summary
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = Report()
+say = REPORT.say
+
+
+def _ttft(url: str, prompt: list[int]) -> tuple[float, str]:
+    """Seconds to the first streamed token of ``prompt``, and the response id."""
+    started = time.monotonic()
+    first, rid = None, ""
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=1200,
+                      json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                rid = chunk.get("id", rid)
+                if first is None and chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    first = time.monotonic() - started
+    if first is None:
+        raise RuntimeError(f"no token came back for the {len(prompt)}-token prompt")
+    return first, rid
+
+
+def part_link(opts, out: Path) -> None:
+    for bandwidth in opts.link_bandwidth:
+        _link(opts, out, bandwidth)
+
+
+def _link(opts, out: Path, bandwidth: str) -> None:
+    link = {"bandwidth": bandwidth, "latency": opts.link_latency}
+    rows: dict[str, list[dict]] = {codec: [] for codec in opts.codecs}
+    for rep in range(opts.repeats):
+        for codec in opts.codecs:
+            with tempfile.TemporaryDirectory() as tmp, PdflowServer(
+                Path(tmp), codec=codec, link_options=link, decode_link_options=link, request_timeout_s=1200
+            ) as server:
+                warm_up = [(i * 6007 + rep * 7) % 40000 + 1000 for i in range(opts.tokens)]
+                _ttft(server.url, warm_up)
+                _ttft(server.url, warm_up)  # and its prefix from the store
+                prompt = [(i * 7919 + rep * 104729) % 40000 + 1000 for i in range(opts.tokens)]
+                cold, rid = _ttft(server.url, prompt)
+                timeline = httpx.get(f"{server.url}/debug/timeline/{rid}", timeout=30).json()
+                summary = kv_summary(timeline)
+                warm, _ = _ttft(server.url, prompt)
+                row = {"cold_ttft_s": cold, "warm_ttft_s": warm, **summary}
+                rows[codec].append(row)
+                say(f"- {bandwidth}, {codec}, repetition {rep + 1}: cold TTFT {cold:.2f} s, KV tail {summary['kv_tail_s'] * 1e3:.0f} ms, "
+                    f"whole transfer {summary['whole_transfer_s']:.2f} s, warm TTFT {warm:.2f} s")
+    (out / f"link-{bandwidth}.json").write_text(json.dumps(rows, indent=1))
+    say()
+    say(f"A {opts.tokens}-token prompt through emulated {bandwidth} / {opts.link_latency} KV links, "
+        f"medians of {opts.repeats} (ratios: none's / the codec's, each repetition's own, min-max):")
+    say()
+    say("| codec | cold TTFT (s) | KV tail (ms) | whole transfer (s) | warm TTFT (s) | tail: none / codec "
+        "| whole transfer | cold TTFT | warm TTFT |")
+    say("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base = rows["none"] if "none" in rows else None
+
+    def med(codec, key):
+        return statistics.median(r[key] for r in rows[codec])
+
+    def ratio(codec, key):
+        if base is None:
+            return "-"
+        values = [b[key] / r[key] for b, r in zip(base, rows[codec])]
+        return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+    for codec in opts.codecs:
+        say(f"| {codec} | {med(codec, 'cold_ttft_s'):.2f} | {med(codec, 'kv_tail_s') * 1e3:.0f} | "
+            f"{med(codec, 'whole_transfer_s'):.2f} | {med(codec, 'warm_ttft_s'):.2f} | {ratio(codec, 'kv_tail_s')} | "
+            f"{ratio(codec, 'whole_transfer_s')} | {ratio(codec, 'cold_ttft_s')} | {ratio(codec, 'warm_ttft_s')} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "kv-codecs")
+    parser.add_argument("--parts", default="link")
+    parser.add_argument("--codecs", nargs="+", default=["none", "int8", "int4"])
+    parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions per codec (default: %(default)s)")
+    parser.add_argument("--link-bandwidth", nargs="+", default=["1Gbit"], help="one run per bandwidth")
+    parser.add_argument("--link-latency", default="0.5ms")
+    opts = parser.parse_args()
+    return REPORT.run("pdflow KV codecs on a slow link", {"link": part_link}, opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
