@@ -182,6 +182,8 @@ def _validate(args) -> int:
     sys.stdout.write(f"  engine: {engine.mode}, kv_streaming {engine.kv_streaming}"
                      + (f", chunked prefill {engine.chunked_prefill_tokens} tokens" if engine.chunked_prefill_tokens else "")
                      + "\n")
+    if (store := topology.kv.store_codec()) is not None:
+        sys.stdout.write(f"  kv store: blocks kept encoded, {store.spec}\n")
     for link in () if topology.colocated else topology.links:
         codec = "" if link.codec == "none" else f", KV encoded {link.make_codec().spec}"
         sys.stdout.write(f"  link {link.src} -> {link.dst}: {link.transport}{codec}\n")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """What a KV codec buys on a slow link: the whole pipeline (tcp) with both KV links (prefill ->
 kv-shuttle, kv-shuttle -> decode, and the return links) emulated at ``--link-bandwidth``, once per
-codec, the codec on every link.
+codec: ``int8`` on every link (the store holding decoded KV), or ``store:int8`` in the store's
+memory (``[kv] codec``: blocks kept encoded, so the store forwards encodings as they are).
 
 For each link bandwidth, codec and repetition, a fresh server first serves one prompt of the same
 length twice (so that the pages of the store, of decode's pool and of prefill's prefix buffer are
@@ -65,8 +66,9 @@ def _link(opts, out: Path, bandwidth: str) -> None:
     rows: dict[str, list[dict]] = {codec: [] for codec in opts.codecs}
     for rep in range(opts.repeats):
         for codec in opts.codecs:
+            where = {"kv": {"codec": codec[6:]}} if codec.startswith("store:") else {"codec": codec}
             with tempfile.TemporaryDirectory() as tmp, PdflowServer(
-                Path(tmp), codec=codec, link_options=link, decode_link_options=link, request_timeout_s=1200
+                Path(tmp), link_options=link, decode_link_options=link, request_timeout_s=1200, **where
             ) as server:
                 warm_up = [(i * 6007 + rep * 7) % 40000 + 1000 for i in range(opts.tokens)]
                 _ttft(server.url, warm_up)
@@ -109,7 +111,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "kv-codecs")
     parser.add_argument("--parts", default="link")
-    parser.add_argument("--codecs", nargs="+", default=["none", "int8", "int4"])
+    parser.add_argument("--codecs", nargs="+", default=["none", "int8", "int4", "store:int8"],
+                        help="link codecs, or store:CODEC for the store's (default: %(default)s)")
     parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions per codec (default: %(default)s)")
     parser.add_argument("--link-bandwidth", nargs="+", default=["1Gbit"], help="one run per bandwidth")

@@ -10,7 +10,8 @@
    blocks: the same against stores of each block size (--block-sizes).
 4. trace: a scaled replay of Mooncake's conversation trace: prompt tokens computed against the
    trace's own reusable fraction, goodput under SLOs.
-5. capacity: the multi-turn workload with smaller and smaller stores: hit ratio against the bound.
+5. capacity: the multi-turn workload with smaller and smaller stores: hit ratio against the bound;
+   with --store-codecs, each size once per codec the store keeps its blocks in ([kv] codec).
 6. overhead: unique prompts (nothing to reuse) to two servers, reuse on and off, alternating
    request by request: what the store's bookkeeping adds to TTFT.
 
@@ -243,18 +244,19 @@ def part_capacity(opts, out: Path) -> None:
     say(f"Multi-turn, {opts.capacity_sessions} sessions of {opts.turns} turns (512-token first messages), four "
         "at a time, with stores of these sizes (`pdflow bench serve " + " ".join(argv) + "`):")
     say()
-    say("| store | blocks | hit / prompt tokens | unbounded cache | of bound | evictions |")
-    say("|---|---:|---:|---:|---:|---:|")
+    say("| store | codec | blocks | hit / prompt tokens | unbounded cache | of bound | evictions |")
+    say("|---|---|---:|---:|---:|---:|---:|")
     rows = []
     for size in opts.capacities:
-        with tempfile.TemporaryDirectory() as tmp, \
-                PdflowServer(Path(tmp), kv={"store_bytes": size}, request_timeout_s=600) as server:
-            result = bench(server.url, out / f"capacity-{size}.json", argv)
-            stats = server.health()["stages"]["kv-shuttle-0"].get("stats", {})
-        c = result["runs"][0]["metrics"]["cache"]
-        rows.append({"store_bytes": size, "cache": c, "stats": stats})
-        say(f"| {size} | {stats.get('blocks_total', '-')} | {c['hit_ratio']:.1%} | {c['bound_ratio']:.1%} | "
-            f"{figure(c['of_bound'] and 100 * c['of_bound'], '.1f')}% | {stats.get('evictions', '-')} |")
+        for codec in opts.store_codecs:
+            with tempfile.TemporaryDirectory() as tmp, \
+                    PdflowServer(Path(tmp), kv={"store_bytes": size, "codec": codec}, request_timeout_s=600) as server:
+                result = bench(server.url, out / f"capacity-{size}-{codec}.json", argv)
+                stats = server.health()["stages"]["kv-shuttle-0"].get("stats", {})
+            c = result["runs"][0]["metrics"]["cache"]
+            rows.append({"store_bytes": size, "codec": codec, "cache": c, "stats": stats})
+            say(f"| {size} | {codec} | {stats.get('blocks_total', '-')} | {c['hit_ratio']:.1%} | {c['bound_ratio']:.1%} "
+                f"| {figure(c['of_bound'] and 100 * c['of_bound'], '.1f')}% | {stats.get('evictions', '-')} |")
     (out / "capacity.json").write_text(json.dumps(rows))
 
 
@@ -325,6 +327,8 @@ def main() -> int:
     parser.add_argument("--slo-tbt", type=float, default=500.0)
     parser.add_argument("--capacity-sessions", type=int, default=8)
     parser.add_argument("--capacities", type=lambda s: s.split(","), default=["192MiB", "288MiB", "384MiB", "4GiB"])
+    parser.add_argument("--store-codecs", type=lambda s: s.split(","), default=["none"],
+                        help="part capacity: the codecs the store keeps blocks in, e.g. none,int8 (default: none)")
     parser.add_argument("--overhead-requests", type=int, default=16)
     parser.add_argument("--overhead-tokens", type=int, default=256)
     opts = parser.parse_args()

@@ -1,6 +1,8 @@
-"""End to end with a KV codec on every link (int8 over tcp): the prompt's KV is encoded as it
-leaves prefill and decoded where it lands, and the answers are those of the engine in this
-process given the prompt's KV after the same codec; a later turn reuses the stored prefix."""
+"""End to end with int8 KV over tcp, two ways: on every link (encoded as it leaves prefill,
+decoded where it lands, the store holding decoded KV), and in the store's memory (its blocks kept
+encoded: 3.9x of them in the same bytes; chunks into it encoded by their senders, out of it
+decoded where they land). Either way the answers are those of the engine in this process given the
+prompt's KV after the codec, and a later turn reuses the stored prefix."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ pytestmark = pytest.mark.e2e
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Describe a cat in five words."]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    with PdflowServer(tmp_path_factory.mktemp("int8"), codec="int8") as running:
+@pytest.fixture(scope="module", params=["link", "store"])
+def server(request, tmp_path_factory, model_dir):
+    where = {"codec": "int8"} if request.param == "link" else {"kv": {"codec": "int8", "store_bytes": "64MiB"}}
+    with PdflowServer(tmp_path_factory.mktemp(f"int8-{request.param}"), **where) as running:
+        running.codec_in = request.param
         yield running
 
 
@@ -68,11 +72,15 @@ def test_answers_are_those_of_the_kv_after_the_codec(server, served_model):
     time.sleep(1.5)  # a heartbeat carries the counters
     stats = _stats(server.url)
     prefill, shuttle, decode = stats["prefill-0"], stats["kv-shuttle-0"], stats["decode-0"]
-    assert prefill["kv_chunks_encoded"] >= 60 * len(QUESTIONS)  # every layer's keys and values
-    assert prefill["kv_bytes_before_encoding"] > 3.8 * prefill["kv_bytes_encoded"]
-    assert shuttle["kv_chunks_decoded"] >= prefill["kv_chunks_encoded"] and shuttle["kv_chunks_undecodable"] == 0
-    assert shuttle["kv_chunks_encoded"] > 0  # on to decode (and answers' blocks back in)
-    assert decode["kv_chunks_decoded"] > 0 and decode["kv_chunks_undecodable"] == 0
+    assert decode["kv_chunks_decoded"] >= 60 * len(QUESTIONS) and decode["kv_chunks_undecodable"] == 0
+    if server.codec_in == "link":
+        assert prefill["kv_chunks_encoded"] >= 60 * len(QUESTIONS)  # every layer's keys and values
+        assert prefill["kv_bytes_before_encoding"] > 3.8 * prefill["kv_bytes_encoded"]
+        assert shuttle["kv_chunks_decoded"] >= prefill["kv_chunks_encoded"] and shuttle["kv_chunks_undecodable"] == 0
+        assert shuttle["kv_chunks_encoded"] > 0  # on to decode (and answers' blocks back in)
+    else:  # the store keeps what arrives encoded; 64 MiB hold 3.9x the fp32 blocks
+        assert shuttle.get("kv_chunks_decoded", 0) == 0 and shuttle.get("kv_chunks_undecodable", 0) == 0
+        assert shuttle["blocks_total"] >= 3.9 * (64 << 20) // (30 * 2 * 64 * 768)
 
 
 def test_a_later_turn_reuses_the_stored_prefix_through_the_codec(server):

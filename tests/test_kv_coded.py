@@ -142,3 +142,30 @@ def test_an_emulated_link_carries_the_encoded_bytes():
 
     plain, encoded = asyncio.run(timed(None)), asyncio.run(timed("int8"))
     assert encoded < plain / 2.5, (plain, encoded)
+
+
+def test_a_region_that_keeps_an_encoding_takes_chunks_in_it_as_they_are():
+    """The store's arena in int8: chunks encoded so land and stay encoded (the notice says so);
+    a chunk in another encoding, or none, is refused."""
+    async def scenario():
+        sender, receiver, memory = await _pair(None)
+        receiver.keep(1, codec("int8"), BLOCK)
+        try:
+            x = _kv(2)
+            encoded = codec("int8").encode_run(x, KEYS, BLOCK)
+            data = byte_view(encoded)
+            h = msgspec.structs.replace(chunk_header("r", 0, KEYS, 0, TOKENS, LAYOUT, 1, 0, byte_view(x)),
+                                        nbytes=data.nbytes, checksum=checksum(data), codec="int8", codec_block=BLOCK)
+            await sender.write(receiver.address, h, data)
+            kept = await asyncio.wait_for(receiver.next_notice(), 10)
+            assert kept.error is None and kept.header == h
+            assert bytes(memory[: data.nbytes]) == bytes(data)
+            raw = byte_view(x)
+            await sender.write(receiver.address, chunk_header("r", 0, VALUES, 0, TOKENS, LAYOUT, 1, 0, raw), raw)
+            refused = await asyncio.wait_for(receiver.next_notice(), 10)
+            assert isinstance(refused.error, UndecodableChunk) and "holds KV in int8" in str(refused.error)
+        finally:
+            await sender.aclose()
+            await receiver.aclose()
+
+    asyncio.run(scenario())

@@ -88,6 +88,15 @@ def test_a_link_codec_and_the_return_links_that_inherit_it() -> None:
     assert shm.link("prefill", "kv_shuttle").codec == "int8"
 
 
+def test_a_store_codec() -> None:
+    t = parse("[kv]", 'codec = "int4"', "codec_options = { value_group = 32 }")
+    assert t.kv.store_codec().spec == "int4:value_group=32"
+    assert parse().kv.store_codec() is None and parse("[kv]", 'codec = "none"').kv.store_codec() is None
+    shm = parse("[kv]", 'codec = "int8"', "zero_copy = false", "[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"',
+                'transport = "shm"')  # copies, so the store can keep encodings
+    assert shm.kv.store_codec().spec == "int8"
+
+
 def test_local_model_directory(tmp_path: Path) -> None:
     model = tmp_path / "models" / "tiny-llama"
     model.mkdir(parents=True)
@@ -185,6 +194,12 @@ BAD_FILES = [
     ("codec on a zero-copy shm link", ["[[links]]", 'src = "kv_shuttle"', 'dst = "decode"', 'transport = "shm"',
                                        'codec = "int8"'],
      "links[0].codec", 5, "set zero_copy = false"),
+    ("unknown store codec", ["[kv]", 'codec = "int3"'], "kv.codec", 2, "unknown KV codec 'int3'"),
+    ("bad store codec option", ["[kv]", 'codec = "int8"', "codec_options = { key_group = 0 }"],
+     "kv.codec_options", 3, "key_group must be"),
+    ("encoded store with zero-copy shm", ["[kv]", 'codec = "int8"', "[[links]]", 'src = "prefill"',
+                                          'dst = "kv_shuttle"', 'transport = "shm"'],
+     "kv.codec", 2, "set zero_copy = false"),
     ("heartbeat timeout <= interval", ["[limits]", "heartbeat_interval_s = 1.0", "heartbeat_timeout_s = 1"],
      "limits.heartbeat_timeout_s", 3, "expected a number > limits.heartbeat_interval_s (1.0)"),
     ("shutdown grace too long", ["[limits]", "shutdown_grace_s = 10"],

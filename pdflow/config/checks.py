@@ -53,6 +53,7 @@ def check_pipeline(pipeline: Pipeline, written: Callable[[str], bool] = lambda k
                                 f"(by default ingress detokenizes them itself); wire outputs.tokens = {name!r} "
                                 f"on {producers}, or remove the stage")
     _check_links(pipeline, cross_process)
+    _check_store_codec(pipeline)
     _check_router(pipeline)
     _check_weights(pipeline)
     check_ports(pipeline, written)
@@ -117,6 +118,20 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
         if problem := check_link_options(dict(link.options)):
             raise PipelineError(f"{key}.options", problem)
         _check_codec(pipeline, link, key)
+
+
+def _check_store_codec(pipeline: Pipeline) -> None:
+    try:
+        store = pipeline.kv.store_codec()
+    except (LookupError, ImportError) as exc:
+        raise PipelineError("kv.codec", str(exc).strip("'\"")) from None
+    except (TypeError, ValueError) as exc:
+        raise PipelineError("kv.codec_options", str(exc)) from None
+    if store is not None and pipeline.kv.zero_copy and not pipeline.colocated and \
+            any(link.transport == "shm" for link in pipeline.links):
+        raise PipelineError("kv.codec", f"the store's blocks in {pipeline.kv.codec!r} cannot be computed into by "
+                            "prefill nor attended from by decode, which kv.zero_copy over shm links does; set "
+                            "zero_copy = false")
 
 
 def _check_codec(pipeline: Pipeline, link, key: str) -> None:

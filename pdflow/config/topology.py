@@ -205,6 +205,8 @@ def _kv(r: TableReader, t: dict[str, Any], topology_path: Path) -> KvConfig:
         **_disk(r, t, topology_path, d),
         block_ttl_s=r.number(t, "kv", "block_ttl_s", d.block_ttl_s, gt=0),
         prefetch=r.boolean(t, "kv", "prefetch", d.prefetch),
+        codec=r.string(t, "kv", "codec", d.codec, non_empty=True),
+        codec_options=_table(r, t, "kv", "codec_options"),
     )
 
 

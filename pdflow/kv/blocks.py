@@ -25,20 +25,23 @@ def full_blocks(num_tokens: int, block_tokens: int) -> int:
 
 
 class BlockHasher:
-    """Turns token ids into chained block ids for one model, KV dtype and block size."""
+    """Turns token ids into chained block ids for one model, KV dtype, block size and (where the
+    store encodes its blocks) codec."""
 
-    def __init__(self, model: str, dtype: str, block_tokens: int) -> None:
+    def __init__(self, model: str, dtype: str, block_tokens: int, codec: str = "none") -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.block_tokens = block_tokens
-        self.salt = f"pdflow-kv-block/1|{model}|{dtype}|{block_tokens}".encode()
+        encoded = "" if codec == "none" else f"|{codec}"  # ids of blocks kept as they are predate codecs
+        self.salt = f"pdflow-kv-block/1|{model}|{dtype}|{block_tokens}{encoded}".encode()
         self._root = xxhash.xxh3_128_digest(self.salt)  # the parent of a sequence's first block
 
     @classmethod
     def for_pipeline(cls, pipeline) -> "BlockHasher":
         """The hasher of a :class:`~pdflow.config.pipeline.Pipeline`'s model, KV dtype and blocks."""
-        model = pipeline.model
-        return cls(str(model.path) if model.is_path else model.source, model.dtype, pipeline.kv.block_tokens)
+        model, store = pipeline.model, pipeline.kv.store_codec()
+        return cls(str(model.path) if model.is_path else model.source, model.dtype, pipeline.kv.block_tokens,
+                   "none" if store is None else store.spec)
 
     def ids(self, token_ids: list[int], start: int = 0, parent: BlockId | None = None) -> list[BlockId]:
         """The ids of the full blocks of ``token_ids``, from block ``start`` on; ``parent`` is the

@@ -4,6 +4,10 @@ A chunk is the keys (or values) of one layer over a run of tokens: from a tensor
 consecutive slots of the arena (prefill writing a prompt's new blocks, decode writing an answer's
 blocks), or from a run of slots into a request buffer (the store sending a cached prefix). Headers
 carry the real token range, so a receiver counts what has landed by tokens.
+
+Into an encoded arena (the store's memory tier with a codec) a chunk travels as its run's
+encoding, computed here, and lands as it is; out of one it travels as the encoding its slots
+hold, and the receiver decodes it where it lands (:mod:`pdflow.kv.coded`).
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ __all__ = ["between_slots", "from_slots", "header", "into_slots", "slot_of", "to
 
 
 def header(request_id: str, layer: int, kind: int, token_start: int, token_end: int, kv: KvLayout, region: int,
-           offset: int, data: memoryview) -> KvChunkHeader:
+           offset: int, data: memoryview, arena: ArenaLayout | None = None) -> KvChunkHeader:
+    """The header of ``data``: the KV's own bytes, or (``arena`` encoded) its encoding in ``arena``'s codec."""
+    coded = arena is not None and arena.encoded
     return KvChunkHeader(request_id, layer, kind, token_start, token_end, kv.dtype,
                          (token_end - token_start, kv.num_kv_heads, kv.head_dim), region, offset, data.nbytes,
-                         checksum(data))
+                         checksum(data), arena.codec.spec if coded else "none", arena.block_tokens if coded else 0)
 
 
 def into_slots(request_id: str, arena: ArenaLayout, region: int, layer: int, keys: torch.Tensor, values: torch.Tensor,
@@ -35,9 +41,12 @@ def into_slots(request_id: str, arena: ArenaLayout, region: int, layer: int, key
     n = keys.shape[0]
     for kind, tensor in ((KEYS, keys), (VALUES, values)):
         for run in runs(list(slots), first_token, first_token + n, arena.block_tokens):
-            data = byte_view(tensor[run.token_start - first_token : run.token_end - first_token])
+            part = tensor[run.token_start - first_token : run.token_end - first_token]
+            if arena.encoded:  # the store keeps it encoded: encode it here, it lands as it is
+                part = arena.codec.encode_run(part.contiguous(), kind, arena.block_tokens)
+            data = byte_view(part)
             yield (header(request_id, layer, kind, run.token_start, run.token_end, arena.kv, region,
-                          arena.offset(layer, kind, run.slot), data), data)
+                          arena.offset(layer, kind, run.slot), data, arena), data)
 
 
 def from_slots(request_id: str, arena: ArenaLayout, memory: memoryview, layer: int, slots: Sequence[int],
@@ -48,9 +57,9 @@ def from_slots(request_id: str, arena: ArenaLayout, memory: memoryview, layer: i
     for kind in (KEYS, VALUES):
         for run in runs(list(slots), 0, num_tokens, arena.block_tokens):
             start = arena.offset(layer, kind, run.slot)
-            data = memory[start : start + (run.token_end - run.token_start) * kv.token_bytes]
+            data = memory[start : start + arena.run_bytes(kind, run.token_end - run.token_start)]
             yield (header(request_id, layer, kind, run.token_start, run.token_end, kv, region,
-                          kv.offset(buffer_tokens, layer, kind, run.token_start), data), data)
+                          kv.offset(buffer_tokens, layer, kind, run.token_start), data, arena), data)
 
 
 def between_slots(request_id: str, src: ArenaLayout, memory: memoryview, layer: int, kinds: Sequence[int],
@@ -62,6 +71,8 @@ def between_slots(request_id: str, src: ArenaLayout, memory: memoryview, layer: 
     ``dst``, region ``region`` (``dst_slots[j]``: block *j* of the request): one chunk per run of
     blocks whose slots are consecutive on both sides."""
     bt, kv = src.block_tokens, src.kv
+    if dst.encoded:
+        raise ValueError("chunks between slots go into an arena that keeps the KV's own bytes")
     if dst.block_tokens != bt:
         raise ValueError(f"blocks of {bt} tokens cannot go into blocks of {dst.block_tokens}")
     first_block = first_token // bt
@@ -77,15 +88,15 @@ def between_slots(request_id: str, src: ArenaLayout, memory: memoryview, layer: 
         start, end = first_token + i * bt, min(first_token + j * bt, end_token)
         for kind in kinds:
             at = src.offset(layer, kind, src_slots[i])
-            data = memory[at : at + (end - start) * kv.token_bytes]
+            data = memory[at : at + src.run_bytes(kind, end - start)]
             yield (header(request_id, layer, kind, start, end, kv, region,
-                          dst.offset(layer, kind, dst_slots[first_block + i]), data), data)
+                          dst.offset(layer, kind, dst_slots[first_block + i]), data, src), data)
         i = j
 
 
 def slot_of(arena: ArenaLayout, header: KvChunkHeader) -> int:
     """The slot where a chunk written into ``arena`` starts."""
-    return (header.offset - arena.offset(header.layer, header.kind, 0)) // arena.slot_span
+    return (header.offset - arena.offset(header.layer, header.kind, 0)) // arena.span(header.kind)
 
 
 def tokens_of_run(header: KvChunkHeader) -> int:

@@ -91,12 +91,19 @@ class CodedTransport(DelegatingTransport):
             raise ValueError(f"a codec needs the block size, got block_tokens={block_tokens}")
         super().__init__(inner)
         self.codec, self.block_tokens = codec, block_tokens
+        self._kept: dict[int, tuple[str, int]] = {}  # region -> (codec spec, block) it holds encoded
         # what went through: KV chunks encoded on writes (their raw and encoded bytes), decoded
         # from notices (their encoded and decoded bytes), refused as undecodable
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     def __repr__(self) -> str:
         return f"CodedTransport({self.inner!r}, codec={self.codec!r})"
+
+    def keep(self, region: int, codec: KvCodec, block_tokens: int) -> None:
+        """Region ``region`` holds KV encoded with ``codec`` in blocks of ``block_tokens`` (the
+        store's memory tier): chunks so encoded stay as they landed; any other chunk for it is
+        refused (UndecodableChunk), as it does not fit the region's layout."""
+        self._kept[region] = (codec.spec, block_tokens)
 
     async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
         if self.codec is not None:
@@ -111,6 +118,14 @@ class CodedTransport(DelegatingTransport):
     async def next_notice(self) -> ChunkNotice:
         notice = await self.inner.next_notice()
         header = notice.header
+        kept = self._kept.get(header.region)
+        if kept is not None and notice.error is None:
+            if (header.codec, header.codec_block) == kept:
+                return notice
+            self.counts["kv_chunks_undecodable"] += 1
+            why = f"region {header.region} holds KV in {kept[0]} (blocks of {kept[1]}); a chunk in {header.codec} " \
+                  f"(blocks of {header.codec_block}) does not fit it"
+            return ChunkNotice(header, UndecodableChunk(why), notice.received_at)
         if notice.error is not None or header.codec == "none":
             return notice
         try:

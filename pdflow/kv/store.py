@@ -35,7 +35,11 @@ Rules:
   ``replace`` makes a new version of a stored block; a reader of the old one that pinned it keeps
   its bytes; :meth:`KvStore.get` with ``versions`` raises :class:`~pdflow.kv.outcomes.Miss`,
   :class:`~pdflow.kv.outcomes.VersionMismatch` or :class:`~pdflow.kv.outcomes.Corrupted`;
-- :meth:`KvStore.forget` drops blocks on demand (a prefix and everything built on it, or all).
+- :meth:`KvStore.forget` drops blocks on demand (a prefix and everything built on it, or all);
+- with a ``codec`` (:mod:`pdflow.kv.codecs`), the arena holds each block encoded (int8: 3.9x the
+  blocks in the same memory): :meth:`put`, :meth:`write` and :meth:`read` encode and decode,
+  chunks from other stages arrive encoded (:mod:`pdflow.kv.chunks`), and checksums cover the
+  encodings.
 
 Not thread-safe: one event loop (or one thread) owns a store.
 """
@@ -53,7 +57,8 @@ import torch
 from pdflow.kv.arena import ArenaLayout, anonymous_memory
 from pdflow.kv.blocks import BlockId, descendants
 from pdflow.kv.checksum import checksum
-from pdflow.kv.layout import KvLayout
+from pdflow.kv.codecs import KvCodec
+from pdflow.kv.layout import KEYS, VALUES, KvLayout, torch_dtype
 from pdflow.kv.outcomes import Corrupted, Miss, VersionMismatch
 from pdflow.transports.regions import byte_view
 
@@ -139,10 +144,12 @@ class KvStore:
         block_ttl_s: float = math.inf,
         first_version: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        codec: KvCodec | None = None,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(f"need 0 < low_watermark <= high_watermark <= 1, got {low_watermark}, {high_watermark}")
-        self.layout = ArenaLayout.for_capacity(kv, block_tokens, capacity_bytes)
+        self.layout = ArenaLayout.for_capacity(kv, block_tokens, capacity_bytes,
+                                               None if codec is None or codec.lossless else codec)
         if self.layout.num_slots < 1:
             raise ValueError(f"capacity {capacity_bytes} bytes holds no block of {self.layout.block_bytes} bytes")
         raw = memory if memory is not None else anonymous_memory(self.layout.nbytes)
@@ -150,9 +157,11 @@ class KvStore:
         if self.memory.numel() < self.layout.nbytes:
             raise ValueError(f"memory of {self.memory.numel()} bytes is smaller than the arena's {self.layout.nbytes}")
         self._bytes = byte_view(raw)
-        self.blocks = self.layout.view(self.memory)  # (layers, 2, slots, block_tokens, kv_heads, head_dim)
-        self._span = self.layout.slot_span  # where slot 0's keys (values) of each layer start, in order:
-        self._span_bases = [self.layout.offset(layer, kind, 0) for layer in range(kv.num_layers) for kind in (0, 1)]
+        # (layers, 2, slots, block_tokens, kv_heads, head_dim); None where the blocks are encoded
+        self.blocks = None if self.layout.encoded else self.layout.view(self.memory)
+        # where slot 0's keys (values) of each layer start, in order, and their spans
+        self._span_bases = [(self.layout.offset(layer, kind, 0), self.layout.span(kind))
+                            for layer in range(kv.num_layers) for kind in (0, 1)]
         self.block_tokens = block_tokens
         self.high = int(high_watermark * self.layout.num_slots)
         self.low = int(low_watermark * self.layout.num_slots)
@@ -382,9 +391,8 @@ class KvStore:
         try:
             bt = self.block_tokens
             for i in range(lease.hit, len(ids)):
-                for layer in range(self.layout.kv.num_layers):
-                    self.blocks[layer, 0, lease.slots[i]] = keys[layer][i * bt : (i + 1) * bt]
-                    self.blocks[layer, 1, lease.slots[i]] = values[layer][i * bt : (i + 1) * bt]
+                self._write_block(lease.slots[i], [k[i * bt : (i + 1) * bt] for k in keys],
+                                  [v[i * bt : (i + 1) * bt] for v in values])
             return sum(self.commit(lease, i, replace=replace) for i in range(lease.hit, len(ids)))
         finally:
             self.release(owner)
@@ -413,6 +421,8 @@ class KvStore:
     def read(self, slots: Sequence[int], num_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The first ``num_tokens`` tokens held by ``slots``, copied: per layer keys and values."""
         kv = self.layout.kv
+        if self.layout.encoded:
+            return self._decoded(slots, num_tokens)
         index = torch.tensor(list(slots), dtype=torch.long)
         gathered = self.blocks.index_select(2, index)  # (layers, 2, n, block_tokens, heads, dim)
         flat = gathered.reshape(kv.num_layers, 2, -1, kv.num_kv_heads, kv.head_dim)[:, :, :num_tokens]
@@ -427,9 +437,35 @@ class KvStore:
             a, b = i * bt, min((i + 1) * bt, n)
             if a >= b:
                 break
-            for layer in range(self.layout.kv.num_layers):
-                self.blocks[layer, 0, slot, : b - a] = keys[layer][a:b]
-                self.blocks[layer, 1, slot, : b - a] = values[layer][a:b]
+            self._write_block(slot, [k[a:b] for k in keys], [v[a:b] for v in values])
+
+    def _write_block(self, slot: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """One block's (or its first tokens') per-layer keys and values into ``slot``, encoded if
+        the arena is."""
+        layout = self.layout
+        for layer in range(layout.kv.num_layers):
+            for kind, x in ((KEYS, keys[layer]), (VALUES, values[layer])):
+                if self.blocks is not None:
+                    self.blocks[layer, kind, slot, : x.shape[0]] = x
+                    continue
+                data = layout.codec.encode_run(x.contiguous(), kind, self.block_tokens)
+                at = layout.offset(layer, kind, slot)
+                self.memory[at : at + data.numel()] = data
+
+    def _decoded(self, slots: Sequence[int], num_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`read` of an encoded arena: each slot decoded as a whole block (what committed
+        slots hold; a block's encoding depends on its token count), then cut to ``num_tokens``."""
+        kv, bt, layout = self.layout.kv, self.block_tokens, self.layout
+        count = -(-num_tokens // bt)
+        out = ([], [])
+        for layer in range(kv.num_layers):
+            for kind in (KEYS, VALUES):
+                x = torch.empty(count * bt, kv.num_kv_heads, kv.head_dim, dtype=torch_dtype(kv.dtype))
+                for i, slot in enumerate(slots[:count]):
+                    at = layout.offset(layer, kind, slot)
+                    layout.codec.decode_run(self.memory[at : at + layout.span(kind)], kind, x[i * bt : (i + 1) * bt], bt)
+                out[kind].append(x[:num_tokens])
+        return out
 
     def pin(self, ids: Sequence[BlockId]) -> int:
         """Pin the leading stored blocks of ``ids`` (until :meth:`unpin`); how many were pinned."""
@@ -465,8 +501,7 @@ class KvStore:
 
     def slot_spans(self, slot: int) -> list[memoryview]:
         """A slot's bytes, layer by layer, keys then values: a whole block, as the disk tier holds it."""
-        span, at = self._span, slot * self._span
-        return [self._bytes[base + at : base + at + span] for base in self._span_bases]
+        return [self._bytes[base + slot * span : base + (slot + 1) * span] for base, span in self._span_bases]
 
     # --- stats ---------------------------------------------------------------------------------
 

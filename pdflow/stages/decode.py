@@ -98,7 +98,9 @@ class DecodeStage(Stage):
         self.pool: KvPool | None = None
         self.store_pool: KvPool | None = None  # attending in the store: its arena, once mapped
         shuttle = self.output("destination")
-        self.in_place = (topo.kv.zero_copy and PagedDecodeBatch.runs(self.model) and self.to_shuttle.shares_memory
+        self.store_codec = topo.kv.store_codec()  # the store keeps blocks encoded: no attending from them
+        self.in_place = (topo.kv.zero_copy and self.store_codec is None and PagedDecodeBatch.runs(self.model)
+                         and self.to_shuttle.shares_memory
                          and topo.stages[shuttle].replicas == 1)
         if self.in_place:
             self.batch = PagedDecodeBatch(self.model, self.limits.max_batch, None)  # the pool comes with the KV
@@ -436,7 +438,7 @@ class DecodeStage(Stage):
         try:
             if message.slots:
                 keys, values = await asyncio.wait_for(asyncio.shield(exported), _ANSWER_WAIT_S)
-                arena = ArenaLayout(self.model.layout, self.block_tokens, message.num_slots)
+                arena = ArenaLayout(self.model.layout, self.block_tokens, message.num_slots, self.store_codec)
                 count = len(message.slots) * self.block_tokens
                 first = message.first_token - start
                 for layer in range(self.model.layout.num_layers):

@@ -123,14 +123,17 @@ class KvShuttleStage(Stage):
         self.kv = KvLayout.from_model_dir(self.ctx.model_dir, topo.model.dtype)
         self.inbound = self.kv_receiver("destination")
         settings = topo.kv
-        layout = ArenaLayout.for_capacity(self.kv, settings.block_tokens, settings.store_bytes)
+        codec = settings.store_codec()  # None: blocks kept as they are
+        layout = ArenaLayout.for_capacity(self.kv, settings.block_tokens, settings.store_bytes, codec)
         memory = self.inbound.allocate(ARENA, layout.nbytes)  # with shm: a shared segment
+        if codec is not None:  # chunks into the arena arrive encoded by their senders and stay so
+            self.inbound.keep(ARENA, codec, settings.block_tokens)
         self.disk_off = ""  # why the disk tier is off, where one was asked for
         disk = await self._open_disk(layout) if settings.disk_path is not None else None
         self.store = KvStore(self.kv, settings.block_tokens, settings.store_bytes, memory=memory,
                              high_watermark=settings.high_watermark, low_watermark=settings.low_watermark,
                              lease_ttl_s=self.limits.request_timeout_s, block_ttl_s=settings.block_ttl_s,
-                             first_version=disk.max_version + 1 if disk is not None else 1)
+                             first_version=disk.max_version + 1 if disk is not None else 1, codec=codec)
         self.tiers = DiskBackedStore(self.store, disk) if disk is not None else None
         self.prefetch = settings.prefetch
         self.arena, self.memory = self.store.layout, self.store.span(0, self.store.layout.nbytes)

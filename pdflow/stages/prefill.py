@@ -100,8 +100,9 @@ class PrefillStage(Stage):
                                   topo.model.weights)
         self.to_shuttle = self.kv_sender("kv")
         # KV computed in the store's blocks needs the compact engine's forward on the CPU
-        self.in_place = topo.kv.zero_copy and isinstance(self.model.model, CompactLlama) and \
-            torch.device(self.model.device).type == "cpu"
+        self.store_codec = topo.kv.store_codec()  # the store keeps blocks encoded: no computing into them
+        self.in_place = topo.kv.zero_copy and self.store_codec is None and \
+            isinstance(self.model.model, CompactLlama) and torch.device(self.model.device).type == "cpu"
         self.from_shuttle = self.kv_receiver("kv")
         await self.from_shuttle.start()
         self.plan_on_demand = topo.kv.disk_path is not None and not topo.kv.prefetch
@@ -355,7 +356,7 @@ class PrefillStage(Stage):
         they were computed in those blocks, the writes copy nothing and only say so."""
         rid = job.request.request_id
         layout = self.model.layout
-        arena = ArenaLayout(layout, self.pipeline.kv.block_tokens, plan.num_slots)
+        arena = ArenaLayout(layout, self.pipeline.kv.block_tokens, plan.num_slots, self.store_codec)
         n, table = len(job.request.prompt_ids), plan.prefix_slots + plan.slots
         sent: list[float] = []
         try:

@@ -52,7 +52,7 @@ class WorkerStage(Stage):
         if kv.prefix_cache:
             self.cache = LocalPrefixCache(self.model.layout, BlockHasher.for_pipeline(topo), kv.store_bytes,
                                           high_watermark=kv.high_watermark, low_watermark=kv.low_watermark,
-                                          block_ttl_s=kv.block_ttl_s)
+                                          block_ttl_s=kv.block_ttl_s, codec=kv.store_codec())
         self.chunk = topo.engine.chunked_prefill_tokens
         self.waiting: deque[tuple[PrefillRequest, float]] = deque()
         self.prefilling: tuple[PrefillRequest, ChunkedPrefill, dict] | None = None
