@@ -244,8 +244,8 @@ def part_capacity(opts, out: Path) -> None:
     say(f"Multi-turn, {opts.capacity_sessions} sessions of {opts.turns} turns (512-token first messages), four "
         "at a time, with stores of these sizes (`pdflow bench serve " + " ".join(argv) + "`):")
     say()
-    say("| store | codec | blocks | hit / prompt tokens | unbounded cache | of bound | evictions |")
-    say("|---|---|---:|---:|---:|---:|---:|")
+    say("| store | codec | blocks | requests done / failed | hit / prompt tokens | unbounded cache | of bound | evictions |")
+    say("|---|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for size in opts.capacities:
         for codec in opts.store_codecs:
@@ -253,9 +253,11 @@ def part_capacity(opts, out: Path) -> None:
                     PdflowServer(Path(tmp), kv={"store_bytes": size, "codec": codec}, request_timeout_s=600) as server:
                 result = bench(server.url, out / f"capacity-{size}-{codec}.json", argv)
                 stats = server.health()["stages"]["kv-shuttle-0"].get("stats", {})
-            c = result["runs"][0]["metrics"]["cache"]
+            m = result["runs"][0]["metrics"]
+            c = m["cache"]
             rows.append({"store_bytes": size, "codec": codec, "cache": c, "stats": stats})
-            say(f"| {size} | {codec} | {stats.get('blocks_total', '-')} | {c['hit_ratio']:.1%} | {c['bound_ratio']:.1%} "
+            say(f"| {size} | {codec} | {stats.get('blocks_total', '-')} | {m['completed']} / {m['failed']} "
+                f"| {c['hit_ratio']:.1%} | {c['bound_ratio']:.1%} "
                 f"| {figure(c['of_bound'] and 100 * c['of_bound'], '.1f')}% | {stats.get('evictions', '-')} |")
     (out / "capacity.json").write_text(json.dumps(rows))
 
