@@ -181,6 +181,8 @@ def test_bad_parameters_are_named():
         codec("int8", group=3)
     with pytest.raises(ValueError, match="value_group 50 does not divide"):
         codec("int8", value_group=50).encode_run(kv(4), VALUES, BLOCK)
+    with pytest.raises(ValueError, match="value_group must be even"):
+        codec("int4", value_group=3).encoded_bytes(64, VALUES, 3, 64, 4)
     with pytest.raises(ValueError, match="symmetric must be"):
         codec("int4", symmetric="yes")
     with pytest.raises(LookupError, match="unknown KV codec"):

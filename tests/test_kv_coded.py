@@ -99,6 +99,8 @@ def test_what_cannot_be_decoded_is_a_notice_not_a_crash():
                 (msgspec.structs.replace(base, codec_block=0), "codec_block"),
                 (msgspec.structs.replace(base, offset=len(memory) - data.nbytes), "beyond region"),
                 (msgspec.structs.replace(base, shape=(TOKENS, 3)), "shape"),
+                (msgspec.structs.replace(base, offset=2), "aligned"),
+                (msgspec.structs.replace(base, shape=(TOKENS, 3, 63)), "int8"),  # another shape: another length
             ]
             for h, _ in bad:
                 await plain.write(receiver.address, h, data)

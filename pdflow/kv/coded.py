@@ -74,10 +74,12 @@ def decode_in_place(header: KvChunkHeader, region: memoryview | None) -> KvChunk
     if region is None or header.offset < 0 or header.offset + raw_bytes > region.nbytes:
         raise UndecodableChunk(f"decoded, the chunk [{header.offset}, {header.offset + raw_bytes}) would lie beyond "
                                f"region {header.region}")
+    if header.offset % dtype.itemsize:
+        raise UndecodableChunk(f"offset {header.offset} is not aligned to {header.dtype} ({dtype.itemsize} bytes)")
     span = torch.frombuffer(region, dtype=torch.uint8, count=raw_bytes, offset=header.offset)
     try:
         codec.decode_run(span[: header.nbytes], header.kind, span.view(dtype).view(*header.shape), header.codec_block)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:  # a length, a shape or a layout that does not fit
         raise UndecodableChunk(f"chunk of {header.request_id!r} layer {header.layer}: {exc}") from None
     return msgspec.structs.replace(header, nbytes=raw_bytes, codec="none", codec_block=0)
 

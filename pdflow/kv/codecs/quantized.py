@@ -48,6 +48,8 @@ class Quantized(KvCodec):
         if channels % group:
             raise ValueError(f"{self.name} codec: value_group {group} does not divide the {channels} channels "
                              f"of a token (kv_heads x head_dim)")
+        if self.bits == 4 and group % 2:
+            raise ValueError(f"int4 codec: value_group must be even (two codes a byte), got {group}")
         return group
 
     def _scale_count(self, tokens: int, kind: int, channels: int) -> int:
