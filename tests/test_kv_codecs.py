@@ -187,3 +187,15 @@ def test_bad_parameters_are_named():
         codec("int4", symmetric="yes")
     with pytest.raises(LookupError, match="unknown KV codec"):
         codec("zstd")
+
+
+@pytest.mark.parametrize(("name", "params"), SETTINGS, ids=IDS)
+@pytest.mark.parametrize("kind", [KEYS, VALUES])
+def test_a_second_trip_through_the_codec_changes_nothing(name, params, kind):
+    """What a link's receiver decodes may be encoded again on the next hop (the store forwarding
+    to decode): a decoded block is its own encoding, so KV is quantized once however many hops."""
+    c = codec(name, **params)
+    once, twice = torch.empty(150, HEADS, DIM), torch.empty(150, HEADS, DIM)
+    c.decode_run(c.encode_run(kv(150, seed=8), kind, BLOCK), kind, once, BLOCK)
+    c.decode_run(c.encode_run(once, kind, BLOCK), kind, twice, BLOCK)
+    assert torch.equal(once, twice)
