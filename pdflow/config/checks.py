@@ -120,13 +120,19 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
         _check_codec(pipeline, link, key)
 
 
-def _check_store_codec(pipeline: Pipeline) -> None:
+def _made_codec(make, key: str):
+    """``make()`` (a codec from a table's ``codec`` and ``codec_options``), or PipelineError
+    naming the key at fault (``key``: the table's)."""
     try:
-        store = pipeline.kv.store_codec()
+        return make()
     except (LookupError, ImportError) as exc:
-        raise PipelineError("kv.codec", str(exc).strip("'\"")) from None
+        raise PipelineError(f"{key}.codec", str(exc).strip("'\"")) from None
     except (TypeError, ValueError) as exc:
-        raise PipelineError("kv.codec_options", str(exc)) from None
+        raise PipelineError(f"{key}.codec_options", str(exc)) from None
+
+
+def _check_store_codec(pipeline: Pipeline) -> None:
+    store = _made_codec(pipeline.kv.store_codec, "kv")
     if store is not None and pipeline.kv.zero_copy and not pipeline.colocated and \
             any(link.transport == "shm" for link in pipeline.links):
         raise PipelineError("kv.codec", f"the store's blocks in {pipeline.kv.codec!r} cannot be computed into by "
@@ -135,12 +141,7 @@ def _check_store_codec(pipeline: Pipeline) -> None:
 
 
 def _check_codec(pipeline: Pipeline, link, key: str) -> None:
-    try:
-        codec = link.make_codec()
-    except (LookupError, ImportError) as exc:
-        raise PipelineError(f"{key}.codec", str(exc).strip("'\"")) from None
-    except (TypeError, ValueError) as exc:
-        raise PipelineError(f"{key}.codec_options", str(exc)) from None
+    codec = _made_codec(link.make_codec, key)
     if not codec.lossless and link.transport == "shm" and pipeline.kv.zero_copy:
         raise PipelineError(f"{key}.codec", f"with kv.zero_copy, an shm link moves no KV bytes, so codec "
                             f"{link.codec!r} would encode nothing; set zero_copy = false in [kv] to encode KV on "

@@ -162,7 +162,7 @@ class Stage:
         for transport in transports:
             for name, value in (getattr(transport, "counts", None) or {}).items():
                 totals[name] = totals.get(name, 0) + value
-        return {name: value for name, value in totals.items() if any(totals.values())}
+        return totals if any(totals.values()) else {}
 
     @staticmethod
     def copy_stats(*senders) -> dict[str, int]:

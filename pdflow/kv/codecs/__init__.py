@@ -9,6 +9,7 @@ naming what this process does not know.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from pdflow.kv.codecs.base import KvCodec
@@ -31,8 +32,10 @@ def codec(name: str, **params: Any) -> KvCodec:
     return registry.load(name)(**params)
 
 
+@lru_cache(maxsize=64)  # every encoded chunk's header names its codec: parse each spec once
 def from_spec(spec: str) -> KvCodec:
-    """The codec a chunk header's ``spec`` describes (ValueError if unknown here or malformed)."""
+    """The codec a chunk header's ``spec`` describes (ValueError if unknown here or malformed).
+    The same object for the same spec: do not change its ``params``."""
     name, _, rest = spec.partition(":")
     try:
         cls = registry.load(name)
