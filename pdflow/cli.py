@@ -121,6 +121,11 @@ def _bench_parser(sub) -> None:
     kv_codecs.add_arguments(bench_sub.add_parser(
         "kv-codecs", help="each KV codec's bytes per token, quality cost (agreement, KL, perplexity) and speed",
         description=kv_codecs.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+    from pdflow.bench import kv_heads
+
+    kv_heads.add_arguments(bench_sub.add_parser(
+        "kv-heads", help="how much each kv head matters (the head-prune codec's importance file)",
+        description=kv_heads.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _trace_parser(sub) -> None:
@@ -149,6 +154,10 @@ def _bench(args) -> int:
         from pdflow.bench import kv_codecs
 
         return kv_codecs.main(args)
+    if args.bench_command == "kv-heads":
+        from pdflow.bench import kv_heads
+
+        return kv_heads.main(args)
     if args.bench_command == "disk":
         from pdflow.bench import disk
 

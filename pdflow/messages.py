@@ -157,7 +157,8 @@ class KvDestination(Message):
 
     Decode sends it to kv-shuttle: with ``slots``, ``region`` is decode's pool of ``num_slots``
     slots in the store's block layout and block *i* of the request goes into ``slots[i]``
-    (:mod:`pdflow.kv.arena`); without, ``region`` is a buffer of the request's own
+    (:mod:`pdflow.kv.arena`; -1: decode does not want that block, as a sink + window codec on
+    the link drops it); without, ``region`` is a buffer of the request's own
     (:class:`~pdflow.kv.layout.KvLayout`, ``nbytes`` long).
     """
 

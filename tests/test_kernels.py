@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +46,10 @@ def test_without_a_working_compiler_formats_fall_back_and_say_why(tmp_path):
         assert "unavailable" in err  # logged once, as a warning
 
 
-def test_decode_attention_reads_paged_token_major_blocks():
+@pytest.mark.parametrize("pruned", [None, 1])
+def test_decode_attention_reads_paged_token_major_blocks(pruned):
+    """... and with a kv head pruned (``kv_keep``), that head's query heads put out zeros, its
+    step's keys and values are written as zeros, and the other heads are as without."""
     lib = kernels.library()
     assert lib is not None, kernels.unavailable_reason()
     torch.manual_seed(0)
@@ -57,19 +61,27 @@ def test_decode_attention_reads_paged_token_major_blocks():
     query = torch.randn(3, heads, head_dim)
     new_k, new_v = torch.randn(3, kv_heads, head_dim), torch.randn(3, kv_heads, head_dim)
     out = torch.empty_like(query)
+    keep = torch.ones(kv_heads, dtype=torch.uint8)
+    if pruned is not None:
+        keep[pruned] = 0
     lib.pdflow_decode_attention(query.data_ptr(), 3, heads, kv_heads, head_dim, lengths.data_ptr(), table.data_ptr(),
                                 3, block, keys.data_ptr(), values.data_ptr(), block * kv_heads * head_dim,
                                 kv_heads * head_dim, head_dim, new_k.data_ptr(), new_v.data_ptr(), kv_heads * head_dim,
-                                kv_heads * head_dim, 0.2, out.data_ptr(), 2)
+                                kv_heads * head_dim, 0.2, None if pruned is None else keep.data_ptr(), out.data_ptr(), 2)
+    kept = keep.bool()
     for b in range(3):
         n = int(lengths[b])
         k = torch.cat([keys[s] for s in table[b]])[:n]  # (n, kv_heads, head_dim)
         v = torch.cat([values[s] for s in table[b]])[:n]
-        torch.testing.assert_close(k[n - 1], new_k[b])  # the step's key landed at its position
-        torch.testing.assert_close(v[n - 1], new_v[b])
+        torch.testing.assert_close(k[n - 1, kept], new_k[b, kept])  # the step's key landed at its position
+        torch.testing.assert_close(v[n - 1, kept], new_v[b, kept])
+        assert not k[n - 1, ~kept].any() and not v[n - 1, ~kept].any()
         want = F.scaled_dot_product_attention(query[b][None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                               scale=0.2, enable_gqa=True)[0, :, 0]
-        torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-5)
+        group = heads // kv_heads
+        query_kept = kept.repeat_interleave(group)
+        torch.testing.assert_close(out[b, query_kept], want[query_kept], rtol=1e-5, atol=1e-5)
+        assert not out[b, ~query_kept].any()
 
 
 def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):

@@ -11,8 +11,11 @@ from pdflow.kv.codecs import codec, from_spec, registry
 from pdflow.kv.layout import KEYS, VALUES
 
 SETTINGS = [("none", {}), ("int8", {}), ("int8", {"symmetric": False, "key_group": 16, "value_group": 64}),
-            ("int4", {}), ("int4", {"symmetric": True, "value_group": 32}), ("int4", {"value_group": 0})]
+            ("int4", {}), ("int4", {"symmetric": True, "value_group": 32}), ("int4", {"value_group": 0}),
+            ("head-prune", {"pruned": "0.1/2.0/2.2"}), ("sink-window", {"window": 100})]
 IDS = [name + "".join(f"-{k}={v}" for k, v in params.items()) for name, params in SETTINGS]
+QUANTIZED = [(name, params) for name, params in SETTINGS if name in ("int8", "int4")]
+QUANTIZED_IDS = [IDS[SETTINGS.index(setting)] for setting in QUANTIZED]
 HEADS, DIM, BLOCK = 3, 64, 64
 
 
@@ -22,19 +25,25 @@ def kv(tokens: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_the_builtin_codecs_are_registered():
-    assert {"none", "int8", "int4"} <= set(registry.names())
+    assert {"none", "int8", "int4", "head-prune", "sink-window"} <= set(registry.names())
 
 
 @pytest.mark.parametrize(("name", "params"), SETTINGS, ids=IDS)
 @pytest.mark.parametrize("kind", [KEYS, VALUES])
 @pytest.mark.parametrize("tokens", [1, 63, 64, 65, 150])
-def test_a_run_encodes_into_the_bytes_it_says_and_decodes_within_its_bound(name, params, kind, tokens):
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_run_encodes_into_the_bytes_it_says_and_decodes_within_its_bound(name, params, kind, tokens, layer):
     c = codec(name, **params)
     x = kv(tokens, seed=tokens)
-    data = c.encode_run(x, kind, BLOCK)
-    assert data.dtype == torch.uint8 and data.numel() == c.run_bytes(tokens, kind, HEADS, DIM, 4, BLOCK)
+    data = c.encode_run(x, kind, BLOCK, layer)
+    assert data.dtype == torch.uint8 and data.numel() == c.run_bytes(tokens, kind, HEADS, DIM, 4, BLOCK, layer)
     out = torch.full_like(x, float("nan"))
-    c.decode_run(data, kind, out, BLOCK)
+    c.decode_run(data, kind, out, BLOCK, layer)
+    kept = c.kept_heads(layer, HEADS)
+    if kept is not None:  # the kept heads' KV as it was, the pruned heads' zeros
+        kept = torch.tensor(kept)
+        assert torch.equal(out[:, kept], x[:, kept]) and not out[:, ~kept].any()
+        return
     if c.lossless:
         assert torch.equal(out, x)
         return
@@ -46,7 +55,7 @@ def test_a_run_encodes_into_the_bytes_it_says_and_decodes_within_its_bound(name,
     assert torch.equal(data[: c.run_bytes(first, kind, HEADS, DIM, 4, BLOCK)], c.encode_run(x[:first], kind, BLOCK))
 
 
-@pytest.mark.parametrize(("name", "params"), SETTINGS[1:], ids=IDS[1:])
+@pytest.mark.parametrize(("name", "params"), QUANTIZED, ids=QUANTIZED_IDS)
 def test_keys_are_scaled_per_channel_and_values_per_token(name, params):
     """KIVI's grouping: an outlier channel of the keys (or an outlier token of the values) gets its
     own scales, so the other channels (tokens) keep their precision."""
@@ -83,7 +92,7 @@ def test_a_chunk_decodes_where_it_landed(name, params, kind):
     assert torch.equal(span, expected)
 
 
-@pytest.mark.parametrize(("name", "params"), SETTINGS[1:], ids=IDS[1:])
+@pytest.mark.parametrize(("name", "params"), QUANTIZED, ids=QUANTIZED_IDS)
 @pytest.mark.parametrize("kind", [KEYS, VALUES])
 def test_the_kernels_give_the_bytes_of_the_pytorch_reference(name, params, kind):
     from pdflow.engine import kernels

@@ -88,6 +88,17 @@ def test_a_link_codec_and_the_return_links_that_inherit_it() -> None:
     assert shm.link("prefill", "kv_shuttle").codec == "int8"
 
 
+def test_a_head_prune_calibration_is_relative_to_the_topology(tmp_path: Path) -> None:
+    (tmp_path / "imp.json").write_text('{"importance": [[0.3, 0.1, 0.2], [0.5, 0.6, 0.4]]}')
+    t = parse("[[links]]", 'src = "kv_shuttle"', 'dst = "decode"', 'codec = "head-prune"',
+              'codec_options = { calibration = "imp.json", fraction = 0.34 }', path=tmp_path / "topo.toml")
+    assert t.link("kv_shuttle", "decode").codec_options["calibration"] == str(tmp_path / "imp.json")
+    assert t.link("kv_shuttle", "decode").make_codec().spec == "head-prune:pruned=0.1/0.2"
+    window = parse("[[links]]", 'src = "kv_shuttle"', 'dst = "decode"', 'codec = "sink-window"',
+                   "codec_options = { window = 2048 }")
+    assert window.link("kv_shuttle", "decode").make_codec().spec == "sink-window:window=2048"
+
+
 def test_a_store_codec() -> None:
     t = parse("[kv]", 'codec = "int4"', "codec_options = { value_group = 32 }")
     assert t.kv.store_codec().spec == "int4:value_group=32"
@@ -184,7 +195,21 @@ BAD_FILES = [
                                          "[[links]]", 'src = "decode"', 'dst = "kv_shuttle"', 'transport = "inproc"'],
      "links[1].transport", 8, "kv_shuttle receives KV on one data port"),
     ("unknown codec", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "zstd"'],
-     "links[0].codec", 4, "unknown KV codec 'zstd'; known: none, int8, int4"),
+     "links[0].codec", 4, "unknown KV codec 'zstd'; known: none, int8, int4, head-prune, sink-window"),
+    ("head pruning into the store", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "head-prune"',
+                                     'codec_options = { pruned = "1.1" }'],
+     "links[0].codec", 4, "Use it on the link kv_shuttle -> decode"),
+    ("sink + window in the store", ["[kv]", 'codec = "sink-window"'], "kv.codec", 2, "prefill computes on"),
+    ("sink + window without decode's pool", ["[model]", 'dtype = "bfloat16"', "[[links]]", 'src = "kv_shuttle"',
+                                             'dst = "decode"', 'codec = "sink-window"'],
+     "links[0].codec", 6, "model.dtype = \"float32\" and decode on the cpu"),
+    ("sink + window on a zero-copy shm link", ["[[links]]", 'src = "kv_shuttle"', 'dst = "decode"',
+                                               'transport = "shm"', 'codec = "sink-window"'],
+     "links[0].codec", 5, "set zero_copy = false"),
+    ("head pruning without its importance file", ["[[links]]", 'src = "kv_shuttle"', 'dst = "decode"',
+                                                  'codec = "head-prune"',
+                                                  'codec_options = { calibration = "imp.json", fraction = 0.1 }'],
+     "links[0].codec_options", 5, "no importance file"),
     ("bad codec option", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "int4"',
                           "codec_options = { value_group = -1 }"],
      "links[0].codec_options", 5, "value_group must be an integer >= 0"),

@@ -10,14 +10,19 @@ Quality, with the model's weights in fp32 so that only the KV differs:
   position agrees (with compressed KV the greedy answer would be identical).
 - **KL**: the mean KL divergence of the next-token distribution, uncompressed || compressed, over
   the same positions.
-- **ppl**: perplexity of held-out English text, each window's first ``--context`` tokens prefilled
-  and passed through the codec, the next ``--scored`` tokens scored with that past; ``--long``
-  adds windows with a 4,096-token past. The text: the documentation topics Python ships in its
-  standard library (``pydoc_data.topics``, the Python Software Foundation License), those in the
-  second half of the sorted topic names (the first half is left for calibration).
+- **ppl@N, agree@N, KL@N**: held-out English text, each window's first N tokens (``--context``)
+  prefilled and passed through the codec, the next ``--scored`` tokens scored with that past:
+  perplexity, and agreement and KL against the same window with uncompressed KV; ``--long`` adds
+  windows with a 4,096-token past (where a sink + window codec drops tokens). The text: the
+  documentation topics Python ships in its standard library (``pydoc_data.topics``, the Python
+  Software Foundation License), those in the second half of the sorted topic names (the first
+  half is what ``pdflow bench kv-heads`` calibrates head pruning on).
 
-Bytes per token are keys and values of every layer in full blocks; speed is encode + decode of one
-layer's 4,096-token chunk on one thread (median of 7), beside a memcpy of the same bytes.
+Structural codecs are measured as decode uses them: a sink + window codec's past is the tokens it
+keeps, at their own positions, the scored tokens after the whole prompt; a head-pruning codec's
+pruned heads put out zeros at every scored position. Bytes per token are keys and values of every
+layer in full blocks, for a 4,096-token prompt; speed is encode + decode of one layer's 4,096-token
+chunk on one thread (median of 7), beside a memcpy of the same bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 DESCRIPTION = __doc__
 DEFAULT_CODECS = ("none", "int8", "int8:symmetric=0", "int4", "int4:symmetric=1",
@@ -40,18 +46,61 @@ def held_out_text() -> str:
     return "\n\n".join(topics[name] for name in names[len(names) // 2:])
 
 
-def compressed(codec, keys, values, block_tokens: int):
-    """Per layer, ``keys`` and ``values`` (token-major ``(tokens, kv_heads, head_dim)``) after a
-    trip through ``codec``, block by block."""
+class Past(NamedTuple):
+    """A prompt's KV as decode would attend with it: per layer, the kept tokens' keys and values
+    (token-major), the prompt's length (the next token's position) and which kv heads are kept
+    (None: all; else bool ``(layers, kv_heads)``)."""
+
+    keys: list
+    values: list
+    length: int
+    kv_keep: object = None
+
+
+def compressed(codec, keys, values, block_tokens: int) -> Past:
+    """``keys`` and ``values`` (per layer, token-major ``(tokens, kv_heads, head_dim)``) after a
+    trip through ``codec`` as the link into decode takes it: the blocks it keeps, encoded and
+    decoded block by block, and the kv heads it keeps."""
+    import torch
     from pdflow.kv.layout import KEYS, VALUES
 
+    tokens, kv_heads = keys[0].shape[:2]
+    kept = codec.kept_blocks(tokens, block_tokens)
+    index = None
+    if len(kept) * block_tokens < tokens:  # tokens dropped: the kept blocks, in order
+        index = torch.cat([torch.arange(b * block_tokens, min((b + 1) * block_tokens, tokens)) for b in kept])
     out = ([], [])
     for kind, tensors in ((KEYS, keys), (VALUES, values)):
-        for x in tensors:
+        for layer, x in enumerate(tensors):
+            x = x if index is None else x.index_select(0, index)
+            if codec.lossless:
+                out[kind].append(x)
+                continue
             back = x.new_empty(x.shape)
-            codec.decode_run(codec.encode_run(x.contiguous(), kind, block_tokens), kind, back, block_tokens)
+            codec.decode_run(codec.encode_run(x.contiguous(), kind, block_tokens, layer), kind, back, block_tokens,
+                             layer)
             out[kind].append(back)
-    return out
+    masks = [codec.kept_heads(layer, kv_heads) for layer in range(len(keys))]
+    kv_keep = None if all(m is None for m in masks) else \
+        torch.tensor([m if m is not None else [True] * kv_heads for m in masks])
+    return Past(out[KEYS], out[VALUES], tokens, kv_keep)
+
+
+class _PrunedCache:
+    """An accumulating cache whose pruned kv heads hold zero values (their query heads put out
+    zeros), as decode's kernels attend with a pruning codec."""
+
+    def __init__(self, cache, kv_keep):
+        self.cache, self.kv_keep = cache, kv_keep
+
+    def update(self, key_states, value_states, layer_idx: int, **kw):
+        keys, values = self.cache.update(key_states, value_states, layer_idx, **kw)
+        pruned = ~self.kv_keep[layer_idx]
+        if pruned.any():
+            keys, values = keys.clone(), values.clone()
+            keys[:, pruned] = 0
+            values[:, pruned] = 0
+        return keys, values
 
 
 def prompt_kv(loaded, ids: list[int]):
@@ -64,20 +113,22 @@ def prompt_kv(loaded, ids: list[int]):
     return ([k[0].transpose(0, 1) for k in cache.keys], [v[0].transpose(0, 1) for v in cache.values])
 
 
-def logits_after(loaded, keys, values, ids: list[int]):
-    """Next-token logits at every position of ``ids`` fed after a past of ``keys``/``values``."""
+def logits_after(loaded, past: Past, ids: list[int]):
+    """Next-token logits at every position of ``ids`` fed after ``past`` (its tokens at their own
+    positions, ``ids`` from ``past.length`` on; pruned heads put out zeros)."""
     import torch
     from pdflow.engine.chunked import AccumulatingCache
     from pdflow.engine.forward import causal_mask
     from pdflow.kv.layout import torch_dtype
 
-    start = keys[0].shape[0]
+    cached = past.keys[0].shape[0]
     cache = AccumulatingCache(loaded.num_layers)
-    cache.keys = [k.transpose(0, 1)[None] for k in keys]
-    cache.values = [v.transpose(0, 1)[None] for v in values]
-    end = start + len(ids)
-    mask = causal_mask(start, end, loaded.device, torch_dtype(loaded.layout.dtype))
-    return loaded.model(torch.tensor([ids]), torch.arange(start, end)[None], mask, cache, every_position=True)[0]
+    cache.keys = [k.transpose(0, 1)[None] for k in past.keys]
+    cache.values = [v.transpose(0, 1)[None] for v in past.values]
+    mask = causal_mask(cached, cached + len(ids), loaded.device, torch_dtype(loaded.layout.dtype))
+    positions = torch.arange(past.length, past.length + len(ids))[None]
+    model_cache = cache if past.kv_keep is None else _PrunedCache(cache, past.kv_keep)
+    return loaded.model(torch.tensor([ids]), positions, mask, model_cache, every_position=True)[0]
 
 
 def codec_speed(codec, layout, tokens: int = 4096, block_tokens: int = 64, repeats: int = 7) -> dict:
@@ -111,7 +162,6 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
     from pdflow.bench.engine import chat_prompts, greedy_answers
     from pdflow.engine import load_model, load_tokenizer
     from pdflow.kv.codecs import from_spec
-    from pdflow.kv.layout import KEYS, VALUES
     from pdflow.models import resolve
 
     torch.set_num_threads(args.threads)
@@ -125,14 +175,14 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
                     "tokens": args.tokens, "codecs": {}}
     fp32_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 4
     for spec, codec in codecs.items():
-        per_block = sum(codec.encoded_bytes(bt, kind, layout.num_kv_heads, layout.head_dim, layout.itemsize)
-                        for kind in (KEYS, VALUES))
+        codec.check_model(layout.num_layers, layout.num_kv_heads)
         torch.set_num_threads(1)
         speed = codec_speed(codec, layout, block_tokens=bt)
         torch.set_num_threads(args.threads)
-        report["codecs"][spec] = {"bytes_per_token": layout.num_layers * per_block / bt,
+        report["codecs"][spec] = {"bytes_per_token": bytes_per_token(codec, layout, bt, BYTES_AT),
                                   "fp32_bytes_per_token": fp32_token, **speed,
-                                  "kl": [], "agree": 0, "positions": 0, "same": 0, "nll": {}, "scored": {}}
+                                  "kl": [], "agree": 0, "positions": 0, "same": 0, "nll": {}, "scored": {},
+                                  "agree_at": {}, "kl_at": {}}
     rows = report["codecs"]
 
     prompts = chat_prompts(tokenizer, args.prompts) if args.prompts else []
@@ -143,11 +193,11 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
             if i % 20 == 0:
                 progress.write(f"prompt {i + 1}/{len(prompts)} ...\n")
             keys, values = prompt_kv(loaded, ids)
-            reference = F.log_softmax(logits_after(loaded, keys, values, answer[:-1]).float(), dim=-1)
+            reference = F.log_softmax(logits_after(loaded, Past(keys, values, len(ids)), answer[:-1]).float(), dim=-1)
             for spec, codec in codecs.items():
                 row = rows[spec]
-                logp = reference if codec.lossless else F.log_softmax(
-                    logits_after(loaded, *compressed(codec, keys, values, bt), answer[:-1]).float(), dim=-1)
+                logp = reference if _exact(codec, keys, bt) else F.log_softmax(
+                    logits_after(loaded, compressed(codec, keys, values, bt), answer[:-1]).float(), dim=-1)
                 kl = (reference.exp() * (reference - logp)).sum(-1)
                 agree = int((logp.argmax(-1) == reference.argmax(-1)).sum())
                 row["kl"].append(float(kl.mean()))
@@ -163,25 +213,53 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
             ids = text_ids[w * span:(w + 1) * span]
             keys, values = prompt_kv(loaded, ids[:context])
             targets = torch.tensor(ids[context + 1:])
+            reference = F.log_softmax(logits_after(loaded, Past(keys, values, context), ids[context:-1]).float(), -1)
             for spec, codec in codecs.items():
-                past = (keys, values) if codec.lossless else compressed(codec, keys, values, bt)
-                logits = logits_after(loaded, *past, ids[context:-1]).float()
-                nll = float(F.cross_entropy(logits, targets, reduction="sum"))
-                rows[spec]["nll"][str(context)] = rows[spec]["nll"].get(str(context), 0.0) + nll
-                rows[spec]["scored"][str(context)] = rows[spec]["scored"].get(str(context), 0) + len(targets)
+                logp = reference if _exact(codec, keys, bt) else F.log_softmax(
+                    logits_after(loaded, compressed(codec, keys, values, bt), ids[context:-1]).float(), dim=-1)
+                row, c = rows[spec], str(context)
+                row["nll"][c] = row["nll"].get(c, 0.0) + float(F.nll_loss(logp, targets, reduction="sum"))
+                row["scored"][c] = row["scored"].get(c, 0) + len(targets)
+                row["agree_at"][c] = row["agree_at"].get(c, 0) + int((logp.argmax(-1) == reference.argmax(-1)).sum())
+                row["kl_at"][c] = row["kl_at"].get(c, 0.0) + float((reference.exp() * (reference - logp)).sum())
     for row in rows.values():
         row["kl_mean"] = statistics.fmean(row["kl"]) if row["kl"] else None
         row["agreement"] = row["agree"] / row["positions"] if row["positions"] else None
         row["ppl"] = {c: float(torch.exp(torch.tensor(row["nll"][c] / row["scored"][c]))) for c in row["nll"]}
-        del row["kl"]
+        row["agreement_at"] = {c: row["agree_at"][c] / row["scored"][c] for c in row["agree_at"]}
+        row["kl_mean_at"] = {c: row["kl_at"][c] / row["scored"][c] for c in row["kl_at"]}
+        del row["kl"], row["agree_at"], row["kl_at"]
     return report
+
+
+BYTES_AT = 4096  # bytes per token are given for a prompt this long (what sink + window keeps depends on it)
+
+
+def bytes_per_token(codec, layout, block_tokens: int, tokens: int = BYTES_AT) -> float:
+    """Bytes ``codec`` sends per prompt token of a ``tokens``-token prompt, keys and values of
+    every layer (the blocks it keeps, each encoded)."""
+    from pdflow.kv.layout import KEYS, VALUES
+
+    kept = codec.kept_blocks(tokens, block_tokens)
+    kept_tokens = sum(min(block_tokens, tokens - b * block_tokens) for b in kept)
+    per_token = sum(codec.encoded_bytes(block_tokens, kind, layout.num_kv_heads, layout.head_dim, layout.itemsize, layer)
+                    for layer in range(layout.num_layers) for kind in (KEYS, VALUES)) / block_tokens
+    return per_token * kept_tokens / tokens
+
+
+def _exact(codec, keys, block_tokens: int) -> bool:
+    """Does ``codec`` give decode exactly the uncompressed KV of this prompt?"""
+    tokens, kv_heads = keys[0].shape[:2]
+    return codec.lossless and len(codec.kept_blocks(tokens, block_tokens)) * block_tokens >= tokens \
+        and all(codec.kept_heads(layer, kv_heads) is None for layer in range(len(keys)))
 
 
 def table(report: dict) -> str:
     rows = report["codecs"]
     contexts = sorted({c for r in rows.values() for c in r["ppl"]}, key=int)
-    head = (f"{'codec':34s} {'B/token':>8s} {'vs fp32':>8s} {'vs fp16':>8s} {'agree':>8s} {'same':>5s} "
-            f"{'KL':>9s}" + "".join(f" {'ppl@' + c:>9s}" for c in contexts)
+    width = max([34, *(len(spec) + 1 for spec in rows)])
+    head = (f"{'codec':{width}s} {'B/token':>8s} {'vs fp32':>8s} {'vs fp16':>8s} {'agree':>8s} {'same':>5s} "
+            f"{'KL':>9s}" + "".join(f" {'ppl@' + c:>9s} {'agree@' + c:>11s} {'KL@' + c:>9s}" for c in contexts)
             + f" {'enc GB/s':>9s} {'dec GB/s':>9s} {'both':>6s} {'memcpy':>7s}")
     lines = [f"KV codecs on {report['model']} ({report['weights']} weights), {report['block_tokens']}-token blocks; "
              f"{report['prompts']} prompts x {report['tokens']} tokens", head, "-" * len(head)]
@@ -189,13 +267,16 @@ def table(report: dict) -> str:
         fp32 = r["fp32_bytes_per_token"]
         agree = f"{100 * r['agreement']:7.2f}%" if r["agreement"] is not None else f"{'-':>8s}"
         kl = f"{r['kl_mean']:9.5f}" if r["kl_mean"] is not None else f"{'-':>9s}"
-        lines.append(f"{spec:34s} {r['bytes_per_token']:8.0f} {fp32 / r['bytes_per_token']:7.2f}x "
+        lines.append(f"{spec:{width}s} {r['bytes_per_token']:8.0f} {fp32 / r['bytes_per_token']:7.2f}x "
                      f"{fp32 / 2 / r['bytes_per_token']:7.2f}x {agree} {r['same']:5d} {kl}"
-                     + "".join(f" {r['ppl'].get(c, float('nan')):9.3f}" for c in contexts)
+                     + "".join(f" {r['ppl'].get(c, float('nan')):9.3f} {100 * r['agreement_at'].get(c, float('nan')):10.2f}%"
+                               f" {r['kl_mean_at'].get(c, float('nan')):9.5f}" for c in contexts)
                      + f" {r['encode_gbs']:9.2f} {r['decode_gbs']:9.2f} {r['both_gbs']:6.2f} {r['memcpy_gbs']:7.1f}")
-    lines.append("agree: teacher-forced top-1 agreement with uncompressed KV; same: answers identical; KL: mean "
-                 "KL(uncompressed || codec) of the next-token distribution; ppl@N: perplexity with an N-token past "
-                 "through the codec; GB/s: fp32 bytes per second on one thread (enc + dec: both)")
+    lines.append(f"B/token: bytes sent per token of a {BYTES_AT}-token prompt (sink-window keeps part of it); agree: "
+                 "teacher-forced top-1 agreement with uncompressed KV over the chat answers; same: answers identical; "
+                 "KL: mean KL(uncompressed || codec) of the next-token distribution; ppl@N, agree@N, KL@N: over "
+                 "held-out text with an N-token past through the codec; GB/s: fp32 bytes per second on one thread "
+                 "(enc + dec: both)")
     return "\n".join(lines)
 
 

@@ -133,6 +133,10 @@ def _made_codec(make, key: str):
 
 def _check_store_codec(pipeline: Pipeline) -> None:
     store = _made_codec(pipeline.kv.store_codec, "kv")
+    if store is not None and store.structural:
+        raise PipelineError("kv.codec", f"codec {pipeline.kv.codec!r} drops KV (heads or tokens): prefill computes on "
+                            "from a stored prefix and needs all of it; use it on the link into decode "
+                            "(kv_shuttle -> decode), which is the only place it applies")
     if store is not None and pipeline.kv.zero_copy and not pipeline.colocated and \
             any(link.transport == "shm" for link in pipeline.links):
         raise PipelineError("kv.codec", f"the store's blocks in {pipeline.kv.codec!r} cannot be computed into by "
@@ -142,10 +146,28 @@ def _check_store_codec(pipeline: Pipeline) -> None:
 
 def _check_codec(pipeline: Pipeline, link, key: str) -> None:
     codec = _made_codec(link.make_codec, key)
-    if not codec.lossless and link.transport == "shm" and pipeline.kv.zero_copy:
+    if codec.structural:
+        _check_structural_codec(pipeline, link, codec, key)
+    if (not codec.lossless or codec.structural) and link.transport == "shm" and pipeline.kv.zero_copy:
         raise PipelineError(f"{key}.codec", f"with kv.zero_copy, an shm link moves no KV bytes, so codec "
                             f"{link.codec!r} would encode nothing; set zero_copy = false in [kv] to encode KV on "
                             "this link, or use the codec on a tcp or ucx link")
+
+
+def _check_structural_codec(pipeline: Pipeline, link, codec, key: str) -> None:
+    """A codec that drops KV (kv heads, prompt tokens) only on the link into decode, and decode
+    attending from its pool of blocks (where it keeps the tokens' positions apart from their
+    places)."""
+    kinds = (pipeline.stages[link.src].kind_name, pipeline.stages[link.dst].kind_name)
+    if kinds != ("kv_shuttle", "decode"):
+        raise PipelineError(f"{key}.codec", f"codec {link.codec!r} drops KV (heads or tokens), which only decode can "
+                            f"attend without; on {link.src} -> {link.dst} it would reach prefill or the store, which "
+                            "need all of it. Use it on the link kv_shuttle -> decode")
+    decode = pipeline.stages[link.dst]
+    if codec.drops_tokens and (pipeline.model.dtype != "float32" or decode.device != "cpu"):
+        raise PipelineError(f"{key}.codec", f"codec {link.codec!r} needs decode attending from its pool of blocks "
+                            "with pdflow's kernels: model.dtype = \"float32\" and decode on the cpu, not "
+                            f"{pipeline.model.dtype} on {decode.device}")
 
 
 def _check_router(pipeline: Pipeline) -> None:

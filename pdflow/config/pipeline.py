@@ -196,7 +196,7 @@ class KvConfig:
         from pdflow.kv.codecs import codec
 
         made = codec(self.codec, **self.codec_options)
-        return None if made.lossless else made
+        return None if made.lossless and not made.structural else made
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
         control=ControlConfig(**_endpoint(r, raw, "control", ControlConfig(), max_port=65534)),
         limits=_limits(r, r.table(raw, "", "limits", [f.name for f in fields(Limits)])),
         stages=_stages(r, stages, engine.mode),
-        links=_links(r, raw.get("links", []), engine.mode),
+        links=_links(r, raw.get("links", []), engine.mode, path),
         engine=engine,
         router=_router(r, r.table(raw, "", "router", ("policy", "options"))),
         kv=_kv(r, r.table(raw, "", "kv", [f.name for f in fields(KvConfig)]), path),
@@ -205,8 +205,8 @@ def _kv(r: TableReader, t: dict[str, Any], topology_path: Path) -> KvConfig:
         **_disk(r, t, topology_path, d),
         block_ttl_s=r.number(t, "kv", "block_ttl_s", d.block_ttl_s, gt=0),
         prefetch=r.boolean(t, "kv", "prefetch", d.prefetch),
-        codec=r.string(t, "kv", "codec", d.codec, non_empty=True),
-        codec_options=_table(r, t, "kv", "codec_options"),
+        codec=(codec := r.string(t, "kv", "codec", d.codec, non_empty=True)),
+        codec_options=_codec_options(r, t, "kv", codec, topology_path),
     )
 
 
@@ -305,6 +305,26 @@ def _table(r: TableReader, t: dict[str, Any], prefix: str, name: str) -> dict[st
     return value
 
 
+def _codec_options(r: TableReader, t: dict[str, Any], prefix: str, codec: str, topology_path: Path) -> dict[str, Any]:
+    """A ``codec_options`` table, with the codec's file parameters (``path_params``) that are
+    relative paths made relative to the topology's folder."""
+    options = _table(r, t, prefix, "codec_options")
+    if not options or codec == "none":
+        return options
+    from pdflow.kv.codecs import registry
+
+    try:
+        names = getattr(registry.load(codec), "path_params", ())
+    except (LookupError, ImportError):
+        return options  # the pipeline's checks name the codec that cannot be had
+    resolved = dict(options)
+    for name in names:
+        value = resolved.get(name)
+        if isinstance(value, str) and ("/" in value or value.endswith(".json")):
+            resolved[name] = str((topology_path.absolute().parent / Path(value).expanduser()).resolve())
+    return resolved
+
+
 def _string_table(r: TableReader, t: dict[str, Any], prefix: str, name: str) -> dict[str, str]:
     value = _table(r, t, prefix, name)
     for key in value:
@@ -333,7 +353,7 @@ def _cores(r: TableReader, key: str, value: Any) -> tuple[int, ...]:
     return tuple(cores)
 
 
-def _links(r: TableReader, value: Any, mode: str) -> tuple[LinkConfig, ...]:
+def _links(r: TableReader, value: Any, mode: str, topology_path: Path) -> tuple[LinkConfig, ...]:
     """The [[links]] tables. In the disaggregated mode a built-in pair not written is tcp, except
     the return links (kv_shuttle -> prefill, decode -> kv_shuttle): they default to the link
     prefill -> kv_shuttle (transport, options and codec), so one setting moves all KV (and
@@ -355,9 +375,9 @@ def _links(r: TableReader, value: Any, mode: str) -> tuple[LinkConfig, ...]:
             raise r.error(key, f"link {src} -> {dst} is already defined by "
                           f"links[{list(found).index((src, dst))}]")
         transport = r.string(t, key, "transport", "tcp", non_empty=True)
-        found[(src, dst)] = LinkConfig(src, dst, transport, _table(r, t, key, "options"),
-                                       r.string(t, key, "codec", "none", non_empty=True),
-                                       _table(r, t, key, "codec_options"))
+        codec = r.string(t, key, "codec", "none", non_empty=True)
+        found[(src, dst)] = LinkConfig(src, dst, transport, _table(r, t, key, "options"), codec,
+                                       _codec_options(r, t, key, codec, topology_path))
     if mode == "disaggregated":
         for pair in LINK_PAIRS:
             model = found.get(("prefill", "kv_shuttle")) if pair in _RETURN_LINKS else None

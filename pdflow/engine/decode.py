@@ -35,7 +35,9 @@ _RESERVE_MAX = 1024  # output tokens a joining sequence reserves room for, at mo
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """One request in decode. ``length`` tokens are cached; ``next_token`` is fed next."""
+    """One request in decode. ``length`` tokens are cached; ``next_token`` is fed next, at
+    position ``length + skipped``: ``skipped`` prompt tokens' KV was dropped (a sink + window
+    codec), and what is cached keeps its own positions."""
 
     request_id: str
     length: int
@@ -44,6 +46,12 @@ class Sequence:
     generated: int = 1  # the first token came from prefill
     finish_reason: str | None = None
     extra: dict = field(default_factory=dict)
+    skipped: int = 0
+
+    @property
+    def position(self) -> int:
+        """The position of ``next_token``."""
+        return self.length + self.skipped
 
 
 class _BatchCache:
@@ -57,6 +65,10 @@ class _BatchCache:
         keys, values = self.batch.keys[layer_idx], self.batch.values[layer_idx]
         keys[self.rows, :, self.positions] = key_states[:, :, 0]
         values[self.rows, :, self.positions] = value_states[:, :, 0]
+        pruned = self.batch.pruned_heads(layer_idx)
+        if pruned is not None:  # zero values: the pruned heads' query heads put out exactly zero
+            keys[self.rows[:, None], pruned[None, :], self.positions[:, None]] = 0
+            values[self.rows[:, None], pruned[None, :], self.positions[:, None]] = 0
         return keys[:n, :, : self.kv_len], values[:n, :, : self.kv_len]
 
 
@@ -78,7 +90,7 @@ class _KernelBatchCache(_BatchCache):
         pointers = ctypes.c_void_p * len(keys)
         return kernels.CacheBlocks(self.lengths, self.table, 1, capacity, pointers(*(k.data_ptr() for k in keys)),
                                    pointers(*(v.data_ptr() for v in values)), kv_heads * capacity * head_dim,
-                                   head_dim, capacity * head_dim)
+                                   head_dim, capacity * head_dim, self.batch.kv_keep)
 
     def attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                scale: float) -> torch.Tensor:
@@ -96,7 +108,9 @@ class _KernelBatchCache(_BatchCache):
             query.data_ptr(), batch, heads, kv_heads, head_dim, self.lengths.data_ptr(), self.table.data_ptr(), 1,
             capacity, keys.data_ptr(), values.data_ptr(), kv_heads * capacity * head_dim, head_dim,
             capacity * head_dim, key_states.data_ptr(), value_states.data_ptr(), key_states.stride(0),
-            value_states.stride(0), scale, out.data_ptr(), torch.get_num_threads())
+            value_states.stride(0), scale,
+            None if self.batch.kv_keep is None else self.batch.kv_keep[layer_idx].data_ptr(), out.data_ptr(),
+            torch.get_num_threads())
         return out
 
 
@@ -118,6 +132,13 @@ class DecodeBatch:
         self._rows_cap = 0
         self._len_cap = 0
         self._clean = 0  # rows in use hold finite values (KV or zeros) at positions below this
+        self.kv_keep: torch.Tensor | None = None  # uint8 (layers, kv_heads): 0 where a kv head is pruned
+
+    def pruned_heads(self, layer: int) -> torch.Tensor | None:
+        """The kv heads of ``layer`` that are pruned (None: none)."""
+        if self.kv_keep is None or bool(self.kv_keep[layer].all()):
+            return None
+        return (self.kv_keep[layer] == 0).nonzero()[:, 0].to(self.loaded.device)
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -226,7 +247,8 @@ class DecodeBatch:
             mask = mask[:, None, None, :]
         if self._kernel_lib is None:
             cache = _BatchCache(self, rows, lengths, kv_len)
-        logits = self.loaded.model(input_ids, lengths[:, None], mask, cache)
+        positions = torch.tensor([[s.position] for s in seqs], device=device)
+        logits = self.loaded.model(input_ids, positions, mask, cache)
         return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))
 
 

@@ -310,6 +310,7 @@ class CompactLlama:
             self.num_kv_heads, self.head_dim, self.intermediate, self.eps, positions.data_ptr(), self.cos.data_ptr(),
             self.sin.data_ptr(), blocks.lengths.data_ptr(), blocks.table.data_ptr(), blocks.table_width,
             blocks.block_tokens, blocks.keys, blocks.values, blocks.slot_stride, blocks.token_stride,
-            blocks.head_stride, self.scaling, torch.get_num_threads())
+            blocks.head_stride, self.scaling, None if blocks.kv_keep is None else blocks.kv_keep.data_ptr(),
+            torch.get_num_threads())
 
     __call__ = forward

@@ -99,9 +99,9 @@ class _PagedCache:
     """The cache object the layers see during one step: ``attend`` (layer by layer) and
     ``blocks()`` (the step wholly in C) both address the pool through the block table."""
 
-    def __init__(self, pool: KvPool, positions: torch.Tensor, table: torch.Tensor, lib):
-        self.pool, self.lib = pool, lib
-        self.lengths = (positions + 1).contiguous()
+    def __init__(self, pool: KvPool, lengths: torch.Tensor, table: torch.Tensor, lib, kv_keep: torch.Tensor | None):
+        self.pool, self.lib, self.kv_keep = pool, lib, kv_keep
+        self.lengths = lengths.contiguous()  # cached tokens, the step's own included
         self.table = table
 
     def update(self, *args, **kwargs):
@@ -110,7 +110,7 @@ class _PagedCache:
     def blocks(self) -> kernels.CacheBlocks:
         pool = self.pool
         return kernels.CacheBlocks(self.lengths, self.table, self.table.shape[1], pool.block_tokens,
-                                   pool.key_pointers, pool.value_pointers, *pool.strides())
+                                   pool.key_pointers, pool.value_pointers, *pool.strides(), self.kv_keep)
 
     def attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                scale: float) -> torch.Tensor:
@@ -125,7 +125,8 @@ class _PagedCache:
             query.data_ptr(), batch, heads, kv_heads, head_dim, self.lengths.data_ptr(), self.table.data_ptr(),
             self.table.shape[1], pool.block_tokens, pool.key_pointers[layer_idx], pool.value_pointers[layer_idx],
             *pool.strides(), key_states.data_ptr(), value_states.data_ptr(), key_states.stride(0),
-            value_states.stride(0), scale, out.data_ptr(), torch.get_num_threads())
+            value_states.stride(0), scale, None if self.kv_keep is None else self.kv_keep[layer_idx].data_ptr(),
+            out.data_ptr(), torch.get_num_threads())
         return out
 
 
@@ -141,6 +142,7 @@ class PagedDecodeBatch:
                              "kernels")
         self.loaded, self.max_batch, self.pool = loaded, max_batch, pool
         self._lib = loaded.model.fused.lib
+        self.kv_keep: torch.Tensor | None = None  # uint8 (layers, kv_heads): 0 where a kv head is pruned
         self.sequences: list[Sequence] = []
         self.slots: list[list[int]] = []  # per sequence, its block table
 
@@ -204,8 +206,9 @@ class PagedDecodeBatch:
                 slots += self.pool.take(1)
         width = max(len(s) for s in self.slots)
         table = torch.tensor([s + [0] * (width - len(s)) for s in self.slots], dtype=torch.int64)
-        positions = torch.tensor([s.length for s in seqs], dtype=torch.int64)
+        lengths = torch.tensor([s.length + 1 for s in seqs], dtype=torch.int64)
+        positions = torch.tensor([s.length + s.skipped for s in seqs], dtype=torch.int64)
         input_ids = torch.tensor([[s.next_token] for s in seqs])
-        cache = _PagedCache(self.pool, positions, table, self._lib)
+        cache = _PagedCache(self.pool, lengths, table, self._lib, self.kv_keep)
         logits = self.loaded.model(input_ids, positions[:, None], None, cache)
         return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))

@@ -32,5 +32,5 @@ def after_decode_step(seq: Sequence, token: int, model: LoadedModel, now: float)
     timeline (``seq.extra["steps"]``) and say why it is finished, if it is (decode and the
     colocated worker alike)."""
     seq.extra["steps"].append(now)
-    return finish_reason(token, seq.generated, seq.length + 1, seq.sampler.params, model.eos_token_ids,
+    return finish_reason(token, seq.generated, seq.position + 1, seq.sampler.params, model.eos_token_ids,
                          model.max_context)

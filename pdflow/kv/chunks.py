@@ -68,8 +68,9 @@ def between_slots(request_id: str, src: ArenaLayout, memory: memoryview, layer: 
     """Chunks copying tokens ``first_token .. end_token`` of ``layer`` (``kinds``: keys and/or
     values) from slots of ``src`` (``memory``: its bytes; ``src_slots[i]`` holds the block that
     starts at ``first_token + i * block_tokens``; ``first_token`` block-aligned) into slots of
-    ``dst``, region ``region`` (``dst_slots[j]``: block *j* of the request): one chunk per run of
-    blocks whose slots are consecutive on both sides."""
+    ``dst``, region ``region`` (``dst_slots[j]``: block *j* of the request; negative: a block the
+    receiver does not want, which is skipped): one chunk per run of blocks whose slots are
+    consecutive on both sides."""
     bt, kv = src.block_tokens, src.kv
     if dst.encoded:
         raise ValueError("chunks between slots go into an arena that keeps the KV's own bytes")
@@ -81,6 +82,9 @@ def between_slots(request_id: str, src: ArenaLayout, memory: memoryview, layer: 
         raise ValueError(f"tokens {first_token}..{end_token} do not fit the slots given")
     i = 0
     while i < blocks:
+        if dst_slots[first_block + i] < 0:
+            i += 1
+            continue
         j = i + 1
         while j < blocks and src_slots[j] == src_slots[j - 1] + 1 \
                 and dst_slots[first_block + j] == dst_slots[first_block + j - 1] + 1:

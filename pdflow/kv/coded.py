@@ -50,7 +50,7 @@ def encode_chunk(codec: KvCodec, block_tokens: int, header: KvChunkHeader, data:
         return header, data
     raw = torch.frombuffer(byte_view(data), dtype=torch.uint8) if header.nbytes else torch.empty(0, dtype=torch.uint8)
     chunk = raw.view(torch_dtype(header.dtype)).view(*header.shape)
-    encoded = codec.encode_run(chunk, header.kind, block_tokens)
+    encoded = codec.encode_run(chunk, header.kind, block_tokens, header.layer)
     return msgspec.structs.replace(header, nbytes=encoded.numel(), checksum=checksum(byte_view(encoded)),
                                    codec=codec.spec, codec_block=block_tokens), encoded
 
@@ -78,7 +78,8 @@ def decode_in_place(header: KvChunkHeader, region: memoryview | None) -> KvChunk
         raise UndecodableChunk(f"offset {header.offset} is not aligned to {header.dtype} ({dtype.itemsize} bytes)")
     span = torch.frombuffer(region, dtype=torch.uint8, count=raw_bytes, offset=header.offset)
     try:
-        codec.decode_run(span[: header.nbytes], header.kind, span.view(dtype).view(*header.shape), header.codec_block)
+        codec.decode_run(span[: header.nbytes], header.kind, span.view(dtype).view(*header.shape), header.codec_block,
+                         header.layer)
     except (ValueError, RuntimeError) as exc:  # a length, a shape or a layout that does not fit
         raise UndecodableChunk(f"chunk of {header.request_id!r} layer {header.layer}: {exc}") from None
     return msgspec.structs.replace(header, nbytes=raw_bytes, codec="none", codec_block=0)

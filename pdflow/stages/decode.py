@@ -67,6 +67,8 @@ class _Incoming:
     layer_in: list[float]
     done: PrefillDone | None = None
     slots: list[int] | None = None  # in the pool: its blocks, until the batch owns them
+    by_block: list[int] | None = None  # in the pool: the slot of each block of the prompt (-1: dropped), if not slots
+    skipped: int = 0  # prompt tokens whose KV the link's codec drops (sink + window)
     pool: KvPool | None = None  # attending in the store: the store's arena, where its slots are
     created: float = field(default_factory=time.monotonic)
     answer: tuple[int, asyncio.Future] | None = None  # (first token, its KV from the batch) once finished
@@ -95,9 +97,12 @@ class DecodeStage(Stage):
         await self.from_shuttle.start()
         self.to_shuttle = self.kv_sender("destination")
         self.block_tokens = topo.kv.block_tokens if topo.kv.prefix_cache else 0
+        shuttle = self.output("destination")
+        # how KV reaches decode: a codec that drops heads or tokens changes what decode attends with
+        self.link_codec = topo.link(shuttle, self.ctx.stage).make_codec()
+        self.dropped_tokens = 0  # prompt tokens whose KV the link's codec dropped, over all requests
         self.pool: KvPool | None = None
         self.store_pool: KvPool | None = None  # attending in the store: its arena, once mapped
-        shuttle = self.output("destination")
         self.store_codec = topo.kv.store_codec()  # the store keeps blocks encoded: no attending from them
         self.in_place = (topo.kv.zero_copy and self.store_codec is None and PagedDecodeBatch.runs(self.model)
                          and self.to_shuttle.shares_memory
@@ -111,6 +116,7 @@ class DecodeStage(Stage):
             self.batch = PagedDecodeBatch(self.model, self.limits.max_batch, self.pool)
         else:
             self.batch = DecodeBatch(self.model, self.limits.max_batch)
+        self._structural_setup()
         self.by_region: dict[int, _Incoming] = {}  # KV still landing in a buffer of its own
         self.awaiting_slots: deque[_Incoming] = deque()  # no free pool slots for them yet
         self.waiting: list[_Incoming] = []  # all KV here, not yet in the batch
@@ -120,6 +126,39 @@ class DecodeStage(Stage):
         self._next_region = POOL + 1
         self.spawn(self._notice_loop(), essential=True)
         self.spawn(self._step_loop(), essential=True)
+
+    def _structural_setup(self) -> None:
+        """With a link codec that prunes kv heads, the batch attends with the kept heads only; one
+        that drops prompt tokens needs the pool (a block table that skips them)."""
+        codec, layout = self.link_codec, self.model.layout
+        if not codec.structural:
+            return
+        codec.check_model(layout.num_layers, layout.num_kv_heads)
+        masks = [codec.kept_heads(layer, layout.num_kv_heads) for layer in range(layout.num_layers)]
+        if any(mask is not None for mask in masks):
+            self.batch.kv_keep = torch.tensor([mask or [True] * layout.num_kv_heads for mask in masks],
+                                              dtype=torch.uint8)
+        if self.pool is None and codec.drops_tokens:
+            raise RuntimeError(f"KV codec {codec.spec!r} drops prompt tokens, which decode can only attend without "
+                               "from its pool of blocks (model.dtype float32, decode on the cpu, kv.zero_copy off "
+                               "with shm)")
+        self.log.info("kv.link_codec", codec=codec.spec, pruned_heads=sum(m.count(False) for m in masks if m))
+
+    def _kept(self, request: DecodeRequest) -> list[int] | None:
+        """The prompt's blocks that the link's codec sends (None: all of them)."""
+        if self.pool is None or not self.link_codec.structural:
+            return None
+        bt = self.pool.block_tokens
+        kept = self.link_codec.kept_blocks(request.prompt_len, bt)
+        return None if len(kept) == self.pool.slots_for(request.prompt_len) else kept
+
+    def _skipped(self, request: DecodeRequest) -> int:
+        """Prompt tokens whose KV decode does not get (the link's codec drops them)."""
+        kept = self._kept(request)
+        if kept is None:
+            return 0
+        bt, n = self.pool.block_tokens, request.prompt_len
+        return n - sum(min(bt, n - block * bt) for block in kept)
 
     async def teardown(self) -> None:
         await self.from_shuttle.aclose()
@@ -137,6 +176,8 @@ class DecodeStage(Stage):
 
     def stats(self) -> dict[str, int]:
         sent = {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.from_shuttle, self.to_shuttle)}
+        if self.link_codec.drops_tokens:
+            sent["kv_prompt_tokens_dropped"] = self.dropped_tokens
         if self.pool is None:
             return {**sent, "attends_in_store": int(self.in_place)}
         return {**sent, "pool_blocks": self.pool.arena.num_slots, "pool_free_blocks": self.pool.free_slots,
@@ -168,9 +209,10 @@ class DecodeStage(Stage):
         await self.send_output("destination", message.route, destination)
 
     def _blocks_for(self, request: DecodeRequest, pool: KvPool | None = None) -> int:
-        """Pool blocks the request holds: its prompt and every token it may generate."""
+        """Pool blocks the request holds: its prompt (what of it the link's codec keeps) and every
+        token it may generate."""
         tokens = min(request.prompt_len + request.sampling.max_tokens, self.model.max_context)
-        return (pool or self.pool).slots_for(max(tokens, request.prompt_len))
+        return (pool or self.pool).slots_for(max(tokens, request.prompt_len) - self._skipped(request))
 
     async def on_in_store(self, message: KvInStore) -> None:
         """The request's KV is all in the store's blocks: attend from them there."""
@@ -203,7 +245,10 @@ class DecodeStage(Stage):
 
     async def _request_into_pool(self, message: DecodeRequest) -> None:
         layout = self.model.layout
-        entry = _Incoming(message, None, POOL, 2 * layout.num_layers * message.prompt_len, [0.0] * layout.num_layers)
+        skipped = self._skipped(message)
+        entry = _Incoming(message, None, POOL, 2 * layout.num_layers * (message.prompt_len - skipped),
+                          [0.0] * layout.num_layers, skipped=skipped)
+        self.dropped_tokens += skipped
         self.requests.open(message.request_id, entry)
         need, held = self._blocks_for(message), self.pool.arena.num_slots
         if need > held:
@@ -225,8 +270,14 @@ class DecodeStage(Stage):
                 return
             self.awaiting_slots.popleft()
             entry.slots = self.pool.take(need)
+            kept = self._kept(request)
+            if kept is not None:  # the dropped blocks' KV is not sent: no slot for them
+                entry.by_block = [-1] * self.pool.slots_for(request.prompt_len)
+                for slot, block in zip(entry.slots, kept):
+                    entry.by_block[block] = slot
+                entry.by_block += entry.slots[len(kept):]
             destination = KvDestination(request.request_id, self.pool_address, POOL, self.pool.arena.nbytes,
-                                        entry.slots, self.pool.arena.num_slots)
+                                        entry.by_block or entry.slots, self.pool.arena.num_slots)
             self.spawn(self.send_output("destination", request.route, destination))
 
     def _give_back(self, entry: _Incoming) -> None:
@@ -249,8 +300,9 @@ class DecodeStage(Stage):
         if entry.slots is None or header.kind not in (0, 1) or not 0 <= header.layer < self.model.layout.num_layers:
             return False
         block = header.token_start // self.pool.block_tokens
-        return 0 <= header.token_start < header.token_end and block < len(entry.slots) and \
-            slot_of(self.pool.arena, header) == entry.slots[block]
+        by_block = entry.by_block or entry.slots
+        return 0 <= header.token_start < header.token_end and block < len(by_block) and \
+            slot_of(self.pool.arena, header) == by_block[block] >= 0
 
     def on_prefill_done(self, message: PrefillDone) -> None:
         entry: _Incoming = self.requests.get(message.request_id)
@@ -329,7 +381,8 @@ class DecodeStage(Stage):
         admitted = []
         for entry, slots in entries:
             n = entry.request.prompt_len
-            seq = Sequence(entry.request.request_id, n, entry.done.first_token, Sampler(entry.request.sampling))
+            seq = Sequence(entry.request.request_id, n - entry.skipped, entry.done.first_token,
+                           Sampler(entry.request.sampling), skipped=entry.skipped)
             if slots is not None:
                 self.batch.add(seq, slots)
             else:
@@ -412,6 +465,9 @@ class DecodeStage(Stage):
         output_ids = seq.extra["tokens"][:-1]  # the last token was never fed back: it has no KV
         n = entry.request.prompt_len
         blocks = answer_blocks(n, n + len(output_ids), self.block_tokens) if self.block_tokens else range(0)
+        if self.link_codec.structural:  # computed with heads or tokens missing: not the answer's own KV
+            self._end(entry)
+            return
         if not blocks or self.in_place:  # (in place: the store indexes the answer where it is)
             self._end(entry, output_ids)
             return

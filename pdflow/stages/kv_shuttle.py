@@ -312,7 +312,7 @@ class KvShuttleStage(Stage):
         pool = ArenaLayout(self.kv, self.arena.block_tokens, message.num_slots)
         blocks = -(-entry.num_tokens // pool.block_tokens)
         if len(message.slots) < blocks or pool.nbytes > message.nbytes or \
-                any(not 0 <= slot < message.num_slots for slot in message.slots[:blocks]):
+                any(not -1 <= slot < message.num_slots for slot in message.slots[:blocks]):  # -1: not wanted
             raise ValueError(f"decode's destination cannot hold the request's {entry.num_tokens} tokens: "
                              f"{len(message.slots)} slots of {message.num_slots}, {message.nbytes} bytes")
         return pool

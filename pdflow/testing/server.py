@@ -55,11 +55,13 @@ def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str 
                   chunked_prefill_tokens: int = 0, kv_streaming: str = "layer",
                   link_options: dict | None = None, request_timeout_s: float = 120, kv: dict | None = None,
                   server: dict | None = None, egress: bool = False, codec: str = "none",
-                  decode_link_options: dict | None = None) -> str:
+                  decode_link_options: dict | None = None, decode_codec: str | None = None,
+                  decode_codec_options: dict | None = None) -> str:
     """A topology on ports ``base`` .. ``base + 10``; ``link_options`` go on the prefill -> kv_shuttle
     link; ``kv`` and ``server``: more settings of the [kv] and [server] tables; ``egress``: an
     egress stage detokenizes (else ingress does); ``codec``: every link's KV codec;
-    ``decode_link_options``: the kv_shuttle -> decode link's options."""
+    ``decode_link_options``, ``decode_codec`` (else ``codec``) and ``decode_codec_options``: the
+    kv_shuttle -> decode link's."""
     common = f"""
 [model]
 source = "smollm2"
@@ -129,7 +131,8 @@ src = "kv_shuttle"
 dst = "decode"
 transport = "{transport}"
 options = {_inline(decode_link_options)}
-codec = "{codec}"
+codec = "{decode_codec or codec}"
+codec_options = {_inline(decode_codec_options)}
 {extra}
 """
 
@@ -141,7 +144,8 @@ class PdflowServer:
                  log_format: str = "console", mode: str = "disaggregated", chunked_prefill_tokens: int = 0,
                  kv_streaming: str = "layer", link_options: dict | None = None, request_timeout_s: float = 120,
                  kv: dict | None = None, api_key: str | None = None, server: dict | None = None,
-                 egress: bool = False, codec: str = "none", decode_link_options: dict | None = None):
+                 egress: bool = False, codec: str = "none", decode_link_options: dict | None = None,
+                 decode_codec: str | None = None, decode_codec_options: dict | None = None):
         from pdflow.security.keys import new_secret
 
         self.workdir = workdir
@@ -153,7 +157,8 @@ class PdflowServer:
         self.topology = workdir / "topology.toml"
         self.topology.write_text(
             topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options,
-                          request_timeout_s, kv, server, egress, codec, decode_link_options)
+                          request_timeout_s, kv, server, egress, codec, decode_link_options, decode_codec,
+                          decode_codec_options)
         )
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s

@@ -63,7 +63,9 @@ class CacheBlocks(NamedTuple):
     """Where a decode batch's keys and values are, as ``pdflow_decode_attention`` addresses them:
     token t of sequence b is row ``t % block_tokens`` of slot ``table[b][t // block_tokens]``; its
     key for kv head h in layer l at ``keys[l] + slot * slot_stride + row * token_stride + h *
-    head_stride`` floats (values alike). ``lengths[b]``: tokens of b including the step's own."""
+    head_stride`` floats (values alike). ``lengths[b]``: tokens of b including the step's own.
+    ``kv_keep``: None (every kv head), or uint8 ``(layers, kv_heads)``, 0 where a head is pruned
+    (its query heads' attention output is then zero)."""
 
     lengths: "torch.Tensor"
     table: "torch.Tensor"
@@ -74,6 +76,7 @@ class CacheBlocks(NamedTuple):
     slot_stride: int
     token_stride: int
     head_stride: int
+    kv_keep: "torch.Tensor | None" = None
 
 
 _lock = threading.Lock()
@@ -142,9 +145,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pdflow_rope.argtypes = [p, i64, i64, i64, i64, p, p, p, p]
     lib.pdflow_silu_mul.argtypes = [p, i64, i64, p]
     lib.pdflow_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64, i64, i64,
-                                            p, p, i64, i64, ctypes.c_float, p, i32]
+                                            p, p, i64, i64, ctypes.c_float, p, p, i32]
     lib.pdflow_decode_layers.argtypes = [ctypes.POINTER(Layer), i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                                         p, p, p, p, p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, i32]
+                                         p, p, p, p, p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, i32]
     if hasattr(lib, "pdflow_kv_encode"):  # a build of qgemm.c alone (scripts/compare_kernel_builds.py) has none
         lib.pdflow_kv_encode.argtypes = [p, i64, i64, i64, i32, i64, i32, i32, p, i64]
         lib.pdflow_kv_encode.restype = i32

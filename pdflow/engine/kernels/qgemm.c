@@ -750,6 +750,9 @@ void pdflow_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *o
  * each cached key and value is read once for all of them. q and out: (batch, heads, head_dim).
  * First the step's own keys and values (new_k/new_v: row b, kv head h at b * new_stride + h *
  * head_dim) are written at position lengths[b] - 1, where they belong.
+ * kv_keep (NULL: every head) marks the kv heads attended with: a pruned head's query heads put out
+ * zeros, and the step's keys and values for it are written as zeros (as a pruning codec decodes
+ * the prompt's), so what the cache holds for it stays zero.
  */
 #define MAX_RUN 256
 #define MAX_SHARED 8
@@ -825,16 +828,31 @@ static inline float exp_any(float *s, int64_t n, float max) {
 #endif
 }
 
+/* The output of every query head whose kv head is pruned: zero. */
+static void zero_pruned(float *out, int64_t batch, int64_t heads, int64_t group, int64_t head_dim,
+                        const uint8_t *kv_keep) {
+    if (!kv_keep) return;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; h < heads; h++)
+            if (!kv_keep[h / group]) memset(out + (b * heads + h) * head_dim, 0, head_dim * sizeof(float));
+}
+
 void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                              const int64_t *lengths, const int64_t *table, int64_t table_width,
                              int64_t block_tokens, const float *keys, const float *values, int64_t slot_stride,
                              int64_t token_stride, int64_t head_stride, const float *new_k, const float *new_v,
-                             int64_t new_k_stride, int64_t new_v_stride, float scale, float *out, int threads) {
+                             int64_t new_k_stride, int64_t new_v_stride, float scale, const uint8_t *kv_keep,
+                             float *out, int threads) {
     const int64_t group = heads / kv_heads, chunks = (group + MAX_SHARED - 1) / MAX_SHARED;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t t = lengths[b] - 1;
         const int64_t at = table[b * table_width + t / block_tokens] * slot_stride + (t % block_tokens) * token_stride;
         for (int64_t h = 0; h < kv_heads; h++) {
+            if (kv_keep && !kv_keep[h]) {
+                memset((float *)keys + at + h * head_stride, 0, head_dim * sizeof(float));
+                memset((float *)values + at + h * head_stride, 0, head_dim * sizeof(float));
+                continue;
+            }
             memcpy((float *)keys + at + h * head_stride, new_k + b * new_k_stride + h * head_dim, head_dim * sizeof(float));
             memcpy((float *)values + at + h * head_stride, new_v + b * new_v_stride + h * head_dim, head_dim * sizeof(float));
         }
@@ -916,7 +934,10 @@ void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64
         }
         if (scratch != stack_scratch) free(scratch);
     }
-    if (parts == 1) return;
+    if (parts == 1) {
+        zero_pruned(out, batch, heads, group, head_dim, kv_keep);
+        return;
+    }
     for (int64_t b = 0; b < batch; b++)
         for (int64_t h = 0; h < heads; h++) {
             float top = -INFINITY, sum = 0.0f, *o = out + (b * heads + h) * head_dim;
@@ -935,6 +956,7 @@ void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64
             for (int64_t d = 0; d < head_dim; d++) o[d] /= sum;
         }
     free(partial);
+    zero_pruned(out, batch, heads, group, head_dim, kv_keep);
 }
 
 /* ---- a decode step's layers in one call ----
@@ -945,7 +967,7 @@ void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64
  * are ~20 dispatches a layer, which at a decode step's size cost more than the arithmetic.
  * hidden (rows, dim) is updated in place. Matrices are described by pdflow_matrix (the packed
  * formats' own buffers); keys[l] / values[l] are layer l's cache, addressed as in
- * pdflow_decode_attention. */
+ * pdflow_decode_attention; kv_keep (NULL: all) is (n_layers, kv_heads), as there per layer. */
 typedef struct {
     int32_t bits;             /* 8: int8 weights; 4: int4 weights (with low) */
     int32_t activation_bits;  /* 32: fp32 activations; 16 or 8: quantized per group at each product */
@@ -979,7 +1001,7 @@ void pdflow_decode_layers(const pdflow_layer *layers, int64_t n_layers, float *h
                           const int64_t *positions, const float *cos_table, const float *sin_table,
                           const int64_t *lengths, const int64_t *table, int64_t table_width, int64_t block_tokens,
                           float *const *keys, float *const *values, int64_t slot_stride, int64_t token_stride,
-                          int64_t head_stride, float scale, int threads) {
+                          int64_t head_stride, float scale, const uint8_t *kv_keep, int threads) {
     const int64_t width = (heads + 2 * kv_heads) * head_dim;
     float *scratch = malloc(sizeof(float) * rows * (dim + width + 2 * heads * head_dim + kv_heads * head_dim
                                                     + 2 * inter + inter + dim));
@@ -995,7 +1017,8 @@ void pdflow_decode_layers(const pdflow_layer *layers, int64_t n_layers, float *h
                         sin_table + positions[r] * head_dim, q + r * heads * head_dim, k + r * kv_heads * head_dim);
         pdflow_decode_attention(q, rows, heads, kv_heads, head_dim, lengths, table, table_width, block_tokens,
                                 keys[l], values[l], slot_stride, token_stride, head_stride, k, qkv + (heads + kv_heads) * head_dim,
-                                kv_heads * head_dim, width, scale, attn, threads);
+                                kv_heads * head_dim, width, scale, kv_keep ? kv_keep + l * kv_heads : NULL, attn,
+                                threads);
         matrix_product(&layer->o, attn, rows, delta, threads);
         for (int64_t i = 0; i < rows * dim; i++) hidden[i] += delta[i];
         pdflow_rms_norm(hidden, layer->post_norm, rows, dim, eps, normed);

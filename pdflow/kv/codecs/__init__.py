@@ -20,6 +20,8 @@ BUILTIN = {
     "none": ("pdflow.kv.codecs.lossless:NoCodec", ""),
     "int8": ("pdflow.kv.codecs.quantized:Int8", ""),
     "int4": ("pdflow.kv.codecs.quantized:Int4", ""),
+    "head-prune": ("pdflow.kv.codecs.structural:HeadPrune", ""),
+    "sink-window": ("pdflow.kv.codecs.structural:SinkWindow", ""),
 }
 registry = Registry("KV codec", ENTRY_POINT_GROUP, KvCodec, BUILTIN)
 

@@ -13,14 +13,15 @@ class NoCodec(KvCodec):
     name = "none"
     lossless = True
 
-    def encoded_bytes(self, tokens: int, kind: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    def encoded_bytes(self, tokens: int, kind: int, kv_heads: int, head_dim: int, itemsize: int,
+                      layer: int = 0) -> int:
         return tokens * kv_heads * head_dim * itemsize
 
-    def encode_blocks(self, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    def encode_blocks(self, blocks: torch.Tensor, kind: int, layer: int = 0) -> torch.Tensor:
         return blocks.contiguous().view(torch.uint8).reshape(blocks.shape[0], -1)
 
-    def encode_run(self, chunk: torch.Tensor, kind: int, block_tokens: int) -> torch.Tensor:
+    def encode_run(self, chunk: torch.Tensor, kind: int, block_tokens: int, layer: int = 0) -> torch.Tensor:
         return chunk.contiguous().view(torch.uint8).reshape(-1)  # the bytes themselves: no copy
 
-    def decode_blocks(self, data: torch.Tensor, kind: int, out: torch.Tensor) -> None:
+    def decode_blocks(self, data: torch.Tensor, kind: int, out: torch.Tensor, layer: int = 0) -> None:
         out.view(out.shape[0], -1).view(torch.uint8).copy_(data)

@@ -57,7 +57,8 @@ class Quantized(KvCodec):
             return -(-tokens // self.params["key_group"]) * channels
         return tokens * (channels // self._value_group(channels))
 
-    def encoded_bytes(self, tokens: int, kind: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    def encoded_bytes(self, tokens: int, kind: int, kv_heads: int, head_dim: int, itemsize: int,
+                      layer: int = 0) -> int:
         channels = kv_heads * head_dim
         if self.bits == 4 and channels % 2:
             raise ValueError(f"int4 codec needs an even number of channels per token, not {channels}")
@@ -100,7 +101,7 @@ class Quantized(KvCodec):
     def _group(self, kind: int, channels: int) -> int:
         return self.params["key_group"] if kind == KEYS else self._value_group(channels)
 
-    def encode_blocks(self, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    def encode_blocks(self, blocks: torch.Tensor, kind: int, layer: int = 0) -> torch.Tensor:
         n, tokens = blocks.shape[:2]
         channels = blocks[0, 0].numel() if n and tokens else 0
         lib = self._native(blocks, channels) if n and tokens else None
@@ -147,7 +148,7 @@ class Quantized(KvCodec):
             parts.append(minimum.reshape(n, -1).view(torch.uint8))
         return torch.cat(parts, dim=1)
 
-    def decode_blocks(self, data: torch.Tensor, kind: int, out: torch.Tensor) -> None:
+    def decode_blocks(self, data: torch.Tensor, kind: int, out: torch.Tensor, layer: int = 0) -> None:
         n, tokens, kv_heads, head_dim = out.shape
         channels = kv_heads * head_dim
         lib = self._native(out, channels) if n and tokens else None
