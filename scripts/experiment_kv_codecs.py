@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """What a KV codec buys on a slow link: the whole pipeline (tcp) with both KV links (prefill ->
 kv-shuttle, kv-shuttle -> decode, and the return links) emulated at ``--link-bandwidth``, once per
-codec: ``int8`` on every link (the store holding decoded KV), or ``store:int8`` in the store's
-memory (``[kv] codec``: blocks kept encoded, so the store forwards encodings as they are).
+codec: ``int8`` on every link (the store holding decoded KV), ``store:int8`` in the store's
+memory (``[kv] codec``: blocks kept encoded, so the store forwards encodings as they are), or
+``decode:SPEC`` on the link into decode only (where ``head-prune`` and ``sink-window`` go).
 
 For each link bandwidth, codec and repetition, a fresh server first serves one prompt of the same
 length twice (so that the pages of the store, of decode's pool and of prefill's prefix buffer are
@@ -61,12 +62,25 @@ def part_link(opts, out: Path) -> None:
         _link(opts, out, bandwidth)
 
 
+def _where(codec: str) -> dict:
+    """PdflowServer's settings for ``codec``: ``store:SPEC`` in the store, ``decode:SPEC`` on the
+    link into decode only, else ``SPEC`` on every link."""
+    from pdflow.kv.codecs import from_spec
+
+    if codec.startswith("store:"):
+        return {"kv": {"codec": codec[6:]}}
+    if codec.startswith("decode:"):
+        made = from_spec(codec[7:])
+        return {"decode_codec": made.name, "decode_codec_options": made.params}
+    return {"codec": codec}
+
+
 def _link(opts, out: Path, bandwidth: str) -> None:
     link = {"bandwidth": bandwidth, "latency": opts.link_latency}
     rows: dict[str, list[dict]] = {codec: [] for codec in opts.codecs}
     for rep in range(opts.repeats):
         for codec in opts.codecs:
-            where = {"kv": {"codec": codec[6:]}} if codec.startswith("store:") else {"codec": codec}
+            where = _where(codec)
             with tempfile.TemporaryDirectory() as tmp, PdflowServer(
                 Path(tmp), link_options=link, decode_link_options=link, request_timeout_s=1200, **where
             ) as server:
@@ -112,7 +126,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "kv-codecs")
     parser.add_argument("--parts", default="link")
     parser.add_argument("--codecs", nargs="+", default=["none", "int8", "int4", "store:int8"],
-                        help="link codecs, or store:CODEC for the store's (default: %(default)s)")
+                        help="codec specs on every link, store:SPEC for the store's, decode:SPEC on the link "
+                        "into decode only, e.g. decode:sink-window:window=1024 (default: %(default)s)")
     parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions per codec (default: %(default)s)")
     parser.add_argument("--link-bandwidth", nargs="+", default=["1Gbit"], help="one run per bandwidth")
