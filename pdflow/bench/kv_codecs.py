@@ -21,8 +21,8 @@ Quality, with the model's weights in fp32 so that only the KV differs:
 Structural codecs are measured as decode uses them: a sink + window codec's past is the tokens it
 keeps, at their own positions, the scored tokens after the whole prompt; a head-pruning codec's
 pruned heads put out zeros at every scored position. Bytes per token are keys and values of every
-layer in full blocks, for a 4,096-token prompt; speed is encode + decode of one layer's 4,096-token
-chunk on one thread (median of 7), beside a memcpy of the same bytes.
+layer in full blocks, for a 4,096-token prompt; speed is encode + decode of a 4,096-token
+chunk of every layer on one thread (median of 7), beside a memcpy of the same bytes.
 """
 
 from __future__ import annotations
@@ -132,25 +132,34 @@ def logits_after(loaded, past: Past, ids: list[int]):
 
 
 def codec_speed(codec, layout, tokens: int = 4096, block_tokens: int = 64, repeats: int = 7) -> dict:
-    """Encode and decode GB/s of one layer's keys and values of ``tokens`` tokens on this thread,
-    and memcpy's of the same bytes."""
+    """Encode and decode GB/s of every layer's keys and values of ``tokens`` tokens on this thread
+    (a codec may treat layers differently: head pruning copies only where it prunes), and memcpy's
+    of the same bytes."""
     import torch
     from pdflow.bench.engine import median_time
     from pdflow.kv.layout import KEYS, VALUES
 
     x = torch.randn(tokens, layout.num_kv_heads, layout.head_dim)
     back = torch.empty_like(x)
+    layers = range(layout.num_layers)
 
     def best(fn):
         return median_time(fn, repeats, warmup=1)
 
+    def encode_all(kind):
+        return [codec.encode_run(x, kind, block_tokens, layer) for layer in layers]
+
+    def decode_all(kind, data):
+        for layer in layers:
+            codec.decode_run(data[layer], kind, back, block_tokens, layer)
+
     copy = best(lambda: back.copy_(x))
     encode = decode = 0.0
     for kind in (KEYS, VALUES):
-        data = codec.encode_run(x, kind, block_tokens)
-        encode += best(lambda: codec.encode_run(x, kind, block_tokens))
-        decode += best(lambda: codec.decode_run(data, kind, back, block_tokens))
-    raw = 2 * x.nbytes
+        data = encode_all(kind)
+        encode += best(lambda: encode_all(kind))
+        decode += best(lambda: decode_all(kind, data))
+    raw = 2 * x.nbytes * len(layers)
     return {"encode_gbs": raw / encode / 1e9, "decode_gbs": raw / decode / 1e9,
             "both_gbs": raw / (encode + decode) / 1e9, "memcpy_gbs": x.nbytes / copy / 1e9}
 
@@ -281,24 +290,38 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> Path | None:
+    """Bytes per token against KL and agreement, with the longest past measured (where a sink +
+    window codec drops tokens) when there is one, else over the chat answers."""
     from pdflow.bench import plots
 
     if not plots.available():
         return None
     plt = plots._pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    contexts = sorted({c for r in report["codecs"].values() for c in r["agreement_at"]}, key=int)
+    where = f"{contexts[-1]}-token past" if contexts else "chat answers"
     for spec, r in report["codecs"].items():
-        if r["kl_mean"] is None:
+        kl = r["kl_mean_at"].get(contexts[-1]) if contexts else r["kl_mean"]
+        agree = r["agreement_at"].get(contexts[-1]) if contexts else r["agreement"]
+        if kl is None or agree is None:
             continue
-        if r["kl_mean"] > 0:  # lossless: no point on a log scale
-            left.scatter(r["bytes_per_token"] / 1024, r["kl_mean"])
-            left.annotate(spec, (r["bytes_per_token"] / 1024, r["kl_mean"]), fontsize=7)
-        right.scatter(r["bytes_per_token"] / 1024, 100 * r["agreement"])
-        right.annotate(spec, (r["bytes_per_token"] / 1024, 100 * r["agreement"]), fontsize=7)
+        x, label = r["bytes_per_token"] / 1024, _label(spec)
+        if kl > 0:  # lossless: no point on a log scale
+            left.scatter(x, kl)
+            left.annotate(label, (x, kl), fontsize=7)
+        right.scatter(x, 100 * agree)
+        right.annotate(label, (x, 100 * agree), fontsize=7)
     left.set(xlabel="KV KiB per token", ylabel="mean KL (uncompressed || codec)", yscale="log",
-             title="bytes against quality")
-    right.set(xlabel="KV KiB per token", ylabel="greedy agreement (%)", title="bytes against agreement")
+             title=f"bytes against quality ({where})")
+    right.set(xlabel="KV KiB per token", ylabel="top-1 agreement (%)", title=f"bytes against agreement ({where})")
     return plots._save(plt, fig, path)
+
+
+def _label(spec: str) -> str:
+    """A codec spec, short enough for a plot: file paths by their name, no parameter names."""
+    name, _, params = spec.partition(":")
+    values = [value.rsplit("/", 1)[-1] for _, _, value in (item.partition("=") for item in params.split(",") if item)]
+    return name + (" " + ",".join(values) if values else "")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

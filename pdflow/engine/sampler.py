@@ -38,6 +38,17 @@ class Sampler:
         """``logits``: one row, shape ``(vocab,)``."""
         if self.greedy:
             return int(torch.argmax(logits))
+        probs = self.probabilities(logits)
+        if probs is None:
+            return int(torch.argmax(logits))
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The distribution :meth:`sample` draws from for one row of ``logits`` (temperature,
+        top-k and top-p applied), or None where none can be drawn from (greedy sampling, or
+        logits that are not finite: the argmax is then the token)."""
+        if self.greedy:
+            return None
         p = self.params
         scores = logits.float()
         scores = (scores - scores.max()) / p.temperature  # the top score is 0: nothing overflows
@@ -53,8 +64,8 @@ class Sampler:
             scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
         probs = torch.softmax(scores, dim=-1)
         if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-            return int(torch.argmax(logits))
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            return None
+        return probs
 
 
 def sample_batch(logits: torch.Tensor, samplers: list[Sampler]) -> list[int]:
