@@ -14,12 +14,13 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 8  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+PROTOCOL_VERSION = 9  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
 # 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked);
 # 5: tokens straight to ingress, decode's KV destinations in pool slots; 6: KV computed and attended in the
 # store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore); 7: the disk tier (KvExpected.keep_s, PlanWanted,
 # KvForget, heartbeat notes); 8: KV codecs (KvChunkHeader.codec, codec_block: an older receiver would take encoded
-# bytes for KV)
+# bytes for KV); 9: KvDestination slots of -1 (blocks a structural codec drops), DecodeRequest.prompt_ids
+# (speculative decoding)
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -135,6 +136,7 @@ class DecodeRequest(Message):
     prompt_len: int
     sampling: SamplingParams
     route: Route
+    prompt_ids: list[int] = []  # when decode speculates (prompt lookup drafts from them)
 
 
 class EgressRequest(Message):

@@ -55,6 +55,7 @@ def check_pipeline(pipeline: Pipeline, written: Callable[[str], bool] = lambda k
     _check_links(pipeline, cross_process)
     _check_store_codec(pipeline)
     _check_router(pipeline)
+    _check_speculative(pipeline)
     _check_weights(pipeline)
     check_ports(pipeline, written)
 
@@ -175,6 +176,22 @@ def _check_router(pipeline: Pipeline) -> None:
 
     if problem := registry.availability(pipeline.router.policy):
         raise PipelineError("router.policy", problem)
+
+
+def _check_speculative(pipeline: Pipeline) -> None:
+    """The proposer exists and takes its options (built without a model: a proposer's ``check``
+    validates its parameters only)."""
+    spec = pipeline.speculative
+    if not spec.enabled:
+        return
+    from pdflow.speculative import registry
+
+    if problem := registry.availability(spec.method):
+        raise PipelineError("speculative.method", problem)
+    try:
+        registry.load(spec.method)(None, **spec.options)
+    except (TypeError, ValueError) as exc:
+        raise PipelineError("speculative.options", str(exc)) from None
 
 
 def _check_weights(pipeline: Pipeline) -> None:

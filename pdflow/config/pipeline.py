@@ -209,6 +209,34 @@ class RouterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding in decode (and the colocated worker): ``method`` names a proposer
+    (``"none"``: off; ``"ngram"``; an entry point of ``pdflow.proposers``; ``"module:Class"``),
+    ``options`` its parameters; the rest as :class:`pdflow.speculative.Speculation` takes them."""
+
+    method: str = "none"
+    num_tokens: int = 5
+    adaptive: bool = True
+    max_rows: int = 64
+    row_cost: float = 0.1
+    probe_every: int = 8
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def make(self, loaded):
+        """The :class:`~pdflow.speculative.Speculation` for ``loaded`` (None when off)."""
+        if not self.enabled:
+            return None
+        from pdflow.speculative import Speculation, proposer
+
+        return Speculation(proposer(self.method, loaded, **self.options), self.num_tokens, self.adaptive,
+                           self.max_rows, self.row_cost, self.probe_every)
+
+
+@dataclass(frozen=True, slots=True)
 class StageConfig:
     """One stage; replica ``i`` listens on ``port + i`` (and receives KV on ``data_port + i``).
 
@@ -274,6 +302,7 @@ class Pipeline:
     links: tuple[LinkConfig, ...] = ()
     engine: EngineConfig = EngineConfig()
     router: RouterConfig = RouterConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     kv: KvConfig = KvConfig()
     security: SecurityConfig = SecurityConfig()
     path: Path | None = None  # the topology file it came from (absolute), if any

@@ -40,6 +40,7 @@ from pdflow.config.pipeline import (
     RouterConfig,
     SecurityConfig,
     ServerConfig,
+    SpeculativeConfig,
     StageConfig,
     default_stage,
     free_plugin_port,
@@ -71,8 +72,8 @@ def parse_topology(text: str, path: Path) -> Pipeline:
     except tomllib.TOMLDecodeError as e:
         raise syntax_error(path, lines, e, text) from None
     r = TableReader(path, lines)
-    r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "router", "kv", "security", "stages",
-                             "links"))
+    r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "router", "speculative", "kv", "security",
+                             "stages", "links"))
     engine = _engine(r, r.table(raw, "", "engine", ("mode", "kv_streaming", "chunked_prefill_tokens")))
     stages = _stage_tables(r, raw)
     pipeline = Pipeline(
@@ -85,6 +86,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
         links=_links(r, raw.get("links", []), engine.mode, path),
         engine=engine,
         router=_router(r, r.table(raw, "", "router", ("policy", "options"))),
+        speculative=_speculative(r, r.table(raw, "", "speculative", [f.name for f in fields(SpeculativeConfig)])),
         kv=_kv(r, r.table(raw, "", "kv", [f.name for f in fields(KvConfig)]), path),
         security=_security(r, r.table(raw, "", "security", [f.name for f in fields(SecurityConfig)]), path),
     )
@@ -330,6 +332,19 @@ def _string_table(r: TableReader, t: dict[str, Any], prefix: str, name: str) -> 
     for key in value:
         r.string(value, f"{prefix}.{name}", key, "", non_empty=True)
     return dict(value)
+
+
+def _speculative(r: TableReader, t: dict[str, Any]) -> SpeculativeConfig:
+    d = SpeculativeConfig()
+    return SpeculativeConfig(
+        method=r.string(t, "speculative", "method", d.method, non_empty=True),
+        num_tokens=r.integer(t, "speculative", "num_tokens", d.num_tokens, ge=1, le=64),
+        adaptive=r.boolean(t, "speculative", "adaptive", d.adaptive),
+        max_rows=r.integer(t, "speculative", "max_rows", d.max_rows, ge=2),
+        row_cost=r.number(t, "speculative", "row_cost", d.row_cost, ge=0),
+        probe_every=r.integer(t, "speculative", "probe_every", d.probe_every, ge=1),
+        options=_table(r, t, "speculative", "options"),
+    )
 
 
 def _router(r: TableReader, t: dict[str, Any]) -> RouterConfig:

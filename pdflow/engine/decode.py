@@ -28,6 +28,7 @@ from pdflow.engine import kernels
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler, sample_batch
 from pdflow.kv.layout import torch_dtype
+from pdflow.speculative.speculation import speculative_step
 
 _CAPACITY_STEP = 256
 _RESERVE_MAX = 1024  # output tokens a joining sequence reserves room for, at most
@@ -47,6 +48,9 @@ class Sequence:
     finish_reason: str | None = None
     extra: dict = field(default_factory=dict)
     skipped: int = 0
+    history: list[int] | None = None  # the prompt's tokens and every one since (next_token last), if kept
+    proposed: int = 0  # speculative decoding: draft tokens verified for it ...
+    accepted: int = 0  # ... and kept
 
     @property
     def position(self) -> int:
@@ -57,8 +61,11 @@ class Sequence:
 class _BatchCache:
     """The cache object the layers see during one step."""
 
-    def __init__(self, batch: "DecodeBatch", rows: torch.Tensor, positions: torch.Tensor, kv_len: int):
-        self.batch, self.rows, self.positions, self.kv_len = batch, rows, positions, kv_len
+    def __init__(self, batch: "DecodeBatch", rows: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                 gather: bool = False):
+        """Input row *r* is the token at place ``positions[r]`` of batch row ``rows[r]``;
+        ``gather``: rows are not simply ``0 .. n-1`` (several places of one sequence)."""
+        self.batch, self.rows, self.positions, self.kv_len, self.gather = batch, rows, positions, kv_len, gather
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_):
         n = self.rows.shape[0]
@@ -69,6 +76,8 @@ class _BatchCache:
         if pruned is not None:  # zero values: the pruned heads' query heads put out exactly zero
             keys[self.rows[:, None], pruned[None, :], self.positions[:, None]] = 0
             values[self.rows[:, None], pruned[None, :], self.positions[:, None]] = 0
+        if self.gather:
+            return keys[self.rows, :, : self.kv_len], values[self.rows, :, : self.kv_len]
         return keys[:n, :, : self.kv_len], values[:n, :, : self.kv_len]
 
 
@@ -133,6 +142,7 @@ class DecodeBatch:
         self._len_cap = 0
         self._clean = 0  # rows in use hold finite values (KV or zeros) at positions below this
         self.kv_keep: torch.Tensor | None = None  # uint8 (layers, kv_heads): 0 where a kv head is pruned
+        self.speculation = None  # a pdflow.speculative.Speculation: steps draft and verify
 
     def pruned_heads(self, layer: int) -> torch.Tensor | None:
         """The kv heads of ``layer`` that are pruned (None: none)."""
@@ -221,35 +231,48 @@ class DecodeBatch:
                     buf[row, :, : moved.length] = buf[last, :, : moved.length]
             self.sequences[row] = moved
         self.sequences.pop()
+        if self.speculation is not None:
+            self.speculation.forget(seq)
         if not self.sequences:  # give the memory back when idle
             self.keys, self.values, self._rows_cap, self._len_cap, self._clean = [], [], 0, 0, 0
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, int]]:
-        """Advance every sequence by one token; returns ``(sequence, new_token)`` pairs."""
+        """Advance every sequence by one token (or, speculating, by the draft tokens it keeps and
+        one more); returns ``(sequence, new_token)`` pairs, a sequence's in order."""
         seqs = self.sequences
         if not seqs:
             return []
-        device = self.loaded.device
-        lengths = torch.tensor([s.length for s in seqs], device=device)
-        kv_len = int(lengths.max()) + 1
+        if self.speculation is not None:
+            return speculative_step(self, seqs, self.speculation, self._forward_rows, self.loaded.max_context)
+        n = len(seqs)
+        logits = self._forward_rows(list(range(n)), [0] * n, [s.next_token for s in seqs])
+        return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))
+
+    def _forward_rows(self, owners: list[int], offsets: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits of rows of the batch's sequences, each one token (``tokens[r]``, of sequence
+        ``owners[r]``, ``offsets[r]`` places after its ``next_token``), in one forward pass: a
+        row's keys and values are written at its place, and it attends up to and including it."""
+        seqs, device = self.sequences, self.loaded.device
+        places = torch.tensor([seqs[o].length + off for o, off in zip(owners, offsets)], device=device)
+        kv_len = int(places.max()) + 1
         self._ensure_capacity(len(seqs), kv_len)
         self._clean_to(len(seqs), kv_len)
-        rows = torch.arange(len(seqs), device=device)
-        input_ids = torch.tensor([[s.next_token] for s in seqs], device=device)
+        rows = torch.tensor(owners, device=device)
+        gather = owners != list(range(len(seqs)))
+        input_ids = torch.tensor([[t] for t in tokens], device=device)
         mask = None
         if self._kernel_lib is not None:
-            cache = _KernelBatchCache(self, rows, lengths, kv_len, self._kernel_lib)
-        elif len(seqs) > 1 or kv_len != int(lengths[0]) + 1:
-            visible = torch.arange(kv_len, device=device)[None, :] <= lengths[:, None]
-            mask = torch.zeros(visible.shape, dtype=torch_dtype(self.loaded.layout.dtype), device=device)
-            mask.masked_fill_(~visible, torch.finfo(mask.dtype).min)
-            mask = mask[:, None, None, :]
-        if self._kernel_lib is None:
-            cache = _BatchCache(self, rows, lengths, kv_len)
-        positions = torch.tensor([[s.position] for s in seqs], device=device)
-        logits = self.loaded.model(input_ids, positions, mask, cache)
-        return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))
+            cache = _KernelBatchCache(self, rows, places, kv_len, self._kernel_lib)
+        else:
+            if len(owners) > 1 or kv_len != int(places[0]) + 1:
+                visible = torch.arange(kv_len, device=device)[None, :] <= places[:, None]
+                mask = torch.zeros(visible.shape, dtype=torch_dtype(self.loaded.layout.dtype), device=device)
+                mask.masked_fill_(~visible, torch.finfo(mask.dtype).min)
+                mask = mask[:, None, None, :]
+            cache = _BatchCache(self, rows, places, kv_len, gather)
+        positions = torch.tensor([[seqs[o].position + off] for o, off in zip(owners, offsets)], device=device)
+        return self.loaded.model(input_ids, positions, mask, cache)
 
 
 def advance(seqs: list[Sequence], tokens: list[int]) -> list[tuple[Sequence, int]]:
@@ -258,4 +281,6 @@ def advance(seqs: list[Sequence], tokens: list[int]) -> list[tuple[Sequence, int
         seq.length += 1
         seq.next_token = token
         seq.generated += 1
+        if seq.history is not None:
+            seq.history.append(token)
     return list(zip(seqs, tokens))

@@ -24,6 +24,7 @@ from pdflow.engine.decode import Sequence, advance
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import sample_batch
 from pdflow.kv.arena import ArenaLayout, anonymous_memory
+from pdflow.speculative.speculation import speculative_step
 
 
 class PoolExhausted(RuntimeError):
@@ -143,6 +144,7 @@ class PagedDecodeBatch:
         self.loaded, self.max_batch, self.pool = loaded, max_batch, pool
         self._lib = loaded.model.fused.lib
         self.kv_keep: torch.Tensor | None = None  # uint8 (layers, kv_heads): 0 where a kv head is pruned
+        self.speculation = None  # a pdflow.speculative.Speculation: steps draft and verify
         self.sequences: list[Sequence] = []
         self.slots: list[list[int]] = []  # per sequence, its block table
 
@@ -187,6 +189,8 @@ class PagedDecodeBatch:
         i = self.sequences.index(seq)
         self.sequences.pop(i)
         self.pool.give(self.slots.pop(i))
+        if self.speculation is not None:
+            self.speculation.forget(seq)
 
     def export(self, seq: Sequence, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of ``seq``'s keys and values of tokens ``start .. end``: per layer, token-major."""
@@ -200,6 +204,8 @@ class PagedDecodeBatch:
         seqs = self.sequences
         if not seqs:
             return []
+        if self.speculation is not None:
+            return speculative_step(self, seqs, self.speculation, self._forward_rows, self.loaded.max_context)
         bt = self.pool.block_tokens
         for seq, slots in zip(seqs, self.slots):
             if seq.length >= len(slots) * bt:
@@ -212,3 +218,24 @@ class PagedDecodeBatch:
         cache = _PagedCache(self.pool, lengths, table, self._lib, self.kv_keep)
         logits = self.loaded.model(input_ids, positions[:, None], None, cache)
         return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))
+
+    def _forward_rows(self, owners: list[int], offsets: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits of rows of the batch's sequences, each one token (``tokens[r]``, of sequence
+        ``owners[r]``, ``offsets[r]`` places after its ``next_token``), in one forward pass: a
+        row's keys and values are written at its place, and it attends over its sequence's cache
+        up to and including its own place, so the rows of one sequence see each other causally."""
+        seqs, bt = self.sequences, self.pool.block_tokens
+        furthest = {}
+        for owner, offset in zip(owners, offsets):
+            furthest[owner] = max(furthest.get(owner, 0), offset)
+        for owner, offset in furthest.items():
+            slots = self.slots[owner]
+            while seqs[owner].length + offset >= len(slots) * bt:
+                slots += self.pool.take(1)
+        width = max(len(s) for s in self.slots)
+        padded = [s + [0] * (width - len(s)) for s in self.slots]
+        table = torch.tensor([padded[o] for o in owners], dtype=torch.int64)
+        lengths = torch.tensor([seqs[o].length + off + 1 for o, off in zip(owners, offsets)], dtype=torch.int64)
+        positions = torch.tensor([[seqs[o].position + off] for o, off in zip(owners, offsets)], dtype=torch.int64)
+        cache = _PagedCache(self.pool, lengths, table, self._lib, self.kv_keep)
+        return self.loaded.model(torch.tensor([[t] for t in tokens]), positions, None, cache)

@@ -84,6 +84,7 @@ class Submission:
     resume_ids: tuple[int, ...] = ()  # a migrated request: the tokens generated before (see EgressRequest)
     resume_chars: int = 0
     kv_ttl_s: float | None = None  # keep this request's KV at most this long (0: not at all)
+    speculating: bool = False  # the pipeline decodes speculatively (decode then needs the prompt's tokens)
 
 
 class Stage:

@@ -32,7 +32,7 @@ import torch
 from pdflow import transports
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.paged import KvPool, PagedDecodeBatch
-from pdflow.engine.stopping import after_decode_step
+from pdflow.engine.stopping import after_decode_step, in_order
 from pdflow.kv.arena import ArenaLayout
 from pdflow.kv.blocks import answer_blocks
 from pdflow.kv.chunks import into_slots, slot_of, tokens_of_run
@@ -86,7 +86,8 @@ class DecodeStage(Stage):
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> DecodeRequest:
-        return DecodeRequest(submission.request_id, len(submission.prompt_ids), submission.sampling, submission.route)
+        return DecodeRequest(submission.request_id, len(submission.prompt_ids), submission.sampling, submission.route,
+                             list(submission.prompt_ids) if submission.speculating else [])
 
     async def setup(self) -> None:
         topo, cfg = self.pipeline, self.config
@@ -117,6 +118,7 @@ class DecodeStage(Stage):
         else:
             self.batch = DecodeBatch(self.model, self.limits.max_batch)
         self._structural_setup()
+        self.batch.speculation = topo.speculative.make(self.model)
         self.by_region: dict[int, _Incoming] = {}  # KV still landing in a buffer of its own
         self.awaiting_slots: deque[_Incoming] = deque()  # no free pool slots for them yet
         self.waiting: list[_Incoming] = []  # all KV here, not yet in the batch
@@ -381,8 +383,10 @@ class DecodeStage(Stage):
         admitted = []
         for entry, slots in entries:
             n = entry.request.prompt_len
-            seq = Sequence(entry.request.request_id, n - entry.skipped, entry.done.first_token,
-                           Sampler(entry.request.sampling), skipped=entry.skipped)
+            first = entry.done.first_token
+            history = [*entry.request.prompt_ids, first] if self.batch.speculation is not None else None
+            seq = Sequence(entry.request.request_id, n - entry.skipped, first, Sampler(entry.request.sampling),
+                           skipped=entry.skipped, history=history)
             if slots is not None:
                 self.batch.add(seq, slots)
             else:
@@ -440,10 +444,10 @@ class DecodeStage(Stage):
 
     async def _emit(self, results: list[tuple[Sequence, int]]) -> None:
         now = time.monotonic()
-        for seq, token in results:
+        for seq, token, behind in in_order(results):
             if seq.request_id not in self.running or seq.request_id in self.to_remove:
                 continue
-            reason = after_decode_step(seq, token, self.model, now)
+            reason = after_decode_step(seq, token, self.model, now, behind)
             entry: _Incoming = seq.extra["entry"]
             seq.extra["tokens"].append(token)
             timeline = {}
@@ -455,7 +459,7 @@ class DecodeStage(Stage):
                 timeline["decode.joined"] = [seq.extra["joined"]]
                 timeline["decode.steps"] = seq.extra["steps"]
                 timeline["decode.end"] = [now]
-            message = Tokens(seq.request_id, seq.generated - 1, [token], reason, timeline)
+            message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline)
             await self.send_output("tokens", entry.request.route, message)
 
     # --- the answer's KV back into the store ------------------------------------------------------

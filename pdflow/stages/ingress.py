@@ -181,7 +181,8 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
                 status=429, type="rate_limit_error",
             )
         route = self._route(request_id, prompt_ids)
-        submission = Submission(request_id, prompt_ids, params, stop, skip_special_tokens, route, kv_ttl_s=kv_ttl_s)
+        submission = Submission(request_id, prompt_ids, params, stop, skip_special_tokens, route, kv_ttl_s=kv_ttl_s,
+                                speculating=self.pipeline.speculative.enabled)
         pending = PendingRequest(request_id, route, len(prompt_ids), submission=submission, internal_id=request_id)
         self.requests.open(request_id, pending)
         self.assigned.update(route.replicas.items())

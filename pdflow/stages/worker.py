@@ -22,7 +22,7 @@ from collections import deque
 
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.chunked import ChunkedPrefill
-from pdflow.engine.stopping import after_decode_step, finish_reason
+from pdflow.engine.stopping import after_decode_step, finish_reason, in_order
 from pdflow.kv.blocks import BlockHasher, answer_blocks
 from pdflow.kv.local_cache import LocalPrefixCache
 from pdflow.messages import KvForget, KvForgotten, PrefillRequest, StopRequest, Tokens
@@ -47,6 +47,7 @@ class WorkerStage(Stage):
         self.model = await run_in(self.executor, load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
                                   topo.model.weights)
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
+        self.batch.speculation = topo.speculative.make(self.model)
         kv = topo.kv
         self.cache = None
         if kv.prefix_cache:
@@ -147,7 +148,8 @@ class WorkerStage(Stage):
             reason = finish_reason(token, 1, n + 1, request.sampling, self.model.eos_token_ids,
                                    self.model.max_context)
             if reason is None and request.request_id not in self.gone:
-                seq = Sequence(request.request_id, n, token, run.sampler)
+                history = [*request.prompt_ids, token] if self.batch.speculation is not None else None
+                seq = Sequence(request.request_id, n, token, run.sampler, history=history)
                 seq.extra = {"request": request, "timeline": timeline, "steps": [], "tokens": [token]}
                 self.batch.add(seq, run.layer_kv)
                 joined.append(seq)
@@ -182,11 +184,11 @@ class WorkerStage(Stage):
 
     async def _emit(self, results: list[tuple[Sequence, int]]) -> None:
         now = time.monotonic()
-        for seq, token in results:
+        for seq, token, behind in in_order(results):
             if seq.request_id not in self.running or seq.request_id in self.gone:
                 continue
             request: PrefillRequest = seq.extra["request"]
-            reason = after_decode_step(seq, token, self.model, now)
+            reason = after_decode_step(seq, token, self.model, now, behind)
             seq.extra["tokens"].append(token)
             timeline = {}
             if reason is not None:
@@ -194,5 +196,5 @@ class WorkerStage(Stage):
                 self.gone.add(seq.request_id)
                 self.finish(seq.request_id)
                 timeline = {**seq.extra["timeline"], "decode.steps": seq.extra["steps"], "decode.end": [now]}
-            message = Tokens(seq.request_id, seq.generated - 1, [token], reason, timeline)
+            message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline)
             await self.send_output("tokens", request.route, message)

@@ -1,0 +1,33 @@
+"""Speculative decoding: a proposer drafts tokens, the target model verifies a whole batch's
+drafts in one forward pass, each sequence keeps what the target agrees with (greedy: exactly the
+tokens decoding without a draft gives; sampling: rejection sampling keeps the target's
+distribution).
+
+Proposers are plug-ins, selected in a topology's ``[speculative]`` table (``method = "ngram"``,
+with the method's own parameters beside ``num_tokens`` and the rest) and registered under the
+entry-point group ``pdflow.proposers`` (a :class:`Proposer` subclass). Built in: ``ngram``
+(prompt lookup).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdflow.registry import Registry
+from pdflow.speculative.base import NO_DRAFT, Draft, Proposer
+from pdflow.speculative.speculation import Speculation, speculative_step
+
+ENTRY_POINT_GROUP = "pdflow.proposers"
+BUILTIN = {
+    "ngram": ("pdflow.speculative.ngram:NgramProposer", ""),
+}
+registry = Registry("proposer", ENTRY_POINT_GROUP, Proposer, BUILTIN)
+
+__all__ = ["BUILTIN", "Draft", "ENTRY_POINT_GROUP", "NO_DRAFT", "Proposer", "Speculation", "proposer", "registry",
+           "speculative_step"]
+
+
+def proposer(name: str, loaded, **params: Any) -> Proposer:
+    """The proposer ``name`` for ``loaded`` with ``params`` (LookupError: unknown name;
+    TypeError / ValueError: bad parameters, named)."""
+    return registry.load(name)(loaded, **params)
