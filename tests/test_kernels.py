@@ -117,3 +117,18 @@ def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):
                                            *lows, 96, y.data_ptr(), 2)
                 results.append(y)
             torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-4, msg=f"{name}, {rows} rows")
+
+
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(served_model):
+    """The int4 and int8 products with 16-bit activations share each weight load across tiles of
+    rows, each row summed in the order it is alone: a row's result is bit for bit the same alone
+    or among others (a speculative verify pass and a plain step agree)."""
+    loaded, _ = served_model
+    torch.manual_seed(4)
+    layer = loaded.model.layers[3]
+    for name, matrix, inputs in (("gate_up", layer.gate_up, 576), ("down", layer.down, 1536),
+                                 ("lm_head", loaded.model.lm_head, 576)):
+        x = torch.randn(7, inputs)
+        together = matrix(x)
+        alone = torch.cat([matrix(x[i : i + 1]) for i in range(7)])
+        assert torch.equal(together, alone), name

@@ -455,41 +455,92 @@ static void pair_order16(const int16_t *xq, int64_t k, int16_t *xp) {
             }
 }
 
-static void q4a16_row_pairs(const int16_t *xp, const float *xs, const float *xsum, int64_t k, const uint8_t *q,
-                            const float *scale, const float *low, int64_t n_out, float *y, int threads) {
-    const int64_t groups = k / GROUP;
-    float xs_pairs[4 * 256] __attribute__((aligned(32)));  /* x's scale of each group, in 4 lanes (k <= 8192) */
+/* x's group scales of one row in pairs: (xs[g] x4, xs[g+1] x4) per pair of groups, as the sums land */
+static void scale_pairs(const float *xs, int64_t groups, float *xs_pairs) {
     for (int64_t g = 0; g < groups; g += 2)
         _mm256_store_ps(xs_pairs + 4 * g, _mm256_set_m128(_mm_set1_ps(xs[g + 1]), _mm_set1_ps(xs[g])));
-    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+}
+
+/* int32 sums of 32 weight bytes (four nibble vectors) times 64 pair-ordered activations */
+static inline __m256i nibble_dots(const __m256i v[4], const int16_t *x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m256i s = _mm256_madd_epi16(v[0], _mm256_loadu_si256((const __m256i *)x));
+    s = _mm256_dpwssd_epi32(s, v[1], _mm256_loadu_si256((const __m256i *)(x + 16)));
+    s = _mm256_dpwssd_epi32(s, v[2], _mm256_loadu_si256((const __m256i *)(x + 32)));
+    return _mm256_dpwssd_epi32(s, v[3], _mm256_loadu_si256((const __m256i *)(x + 48)));
+#else
+    __m256i s = _mm256_madd_epi16(v[0], _mm256_loadu_si256((const __m256i *)x));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(v[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(v[2], _mm256_loadu_si256((const __m256i *)(x + 32))));
+    return _mm256_add_epi32(s, _mm256_madd_epi16(v[3], _mm256_loadu_si256((const __m256i *)(x + 48))));
+#endif
+}
+
+/* R (1..4) rows of x against one output row's int4 weights, each row summed in exactly the order
+ * one row alone is (so a row's result does not depend on how many rows share the call): the
+ * weight bytes are loaded and their nibbles taken out once for all R rows. */
+static inline void q4a16_tile(const int16_t *xp, const float *xs_pairs, const float *xsum, const int R, int64_t k,
+                              const uint8_t *qn, const float *sn, const float *ln, float *y, int64_t y_stride) {
+    const int64_t groups = k / GROUP;
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), nibble = _mm256_set1_epi16(15);
+    __m256 a0[4], a1[4];
+    for (int t = 0; t < R; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 2) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(qn + g * (GROUP / 2)));
+        const __m256i v[4] = {_mm256_and_si256(b, nibble), _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble),
+                              _mm256_and_si256(_mm256_srli_epi16(b, 8), nibble), _mm256_srli_epi16(b, 12)};
+        const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd((const double *)(sn + g))), halves);
+        for (int t = 0; t < R; t++) {
+            const __m256i s = nibble_dots(v, xp + t * k + g * GROUP);
+            const __m256 d = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_load_ps(xs_pairs + t * 4 * groups + 4 * g)),
+                                             sw, a0[t]);
+            a0[t] = a1[t];
+            a1[t] = d;
+        }
+    }
+    for (int t = 0; t < R; t++) {
+        const float *xsum_t = xsum + t * groups;
+        __m256 lb = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= groups; g += 8) lb = _mm256_fmadd_ps(_mm256_loadu_ps(ln + g), _mm256_loadu_ps(xsum_t + g), lb);
+        float base = 0.0f;
+        for (; g < groups; g++) base += ln[g] * xsum_t[g];
+        y[t * y_stride] = reduce8(_mm256_add_ps(_mm256_add_ps(a0[t], a1[t]), lb)) + base;
+    }
+}
+
+/* Rows of x against int4 weights two groups (32 bytes) at a time, with no shuffle: the 16 int16
+ * lanes of 32 weight bytes hold four nibbles each, taken out by shifts and masks (low nibble of the
+ * lane's first byte, its high nibble, then the second byte's), so lanes 0-7 are the first group's
+ * and 8-15 the second's in each of the four vectors; xp holds x's int16 activations in that order
+ * (pair_order16, row after row). The two groups' sums land in the two 128-bit halves and are
+ * scaled by one vector: x's scales laid out per pair once per product, the row's two weight
+ * scales in one 8-byte load spread over the halves (no scalar arithmetic per group); the low
+ * term is a vector dot of the row's lows with x's group sums after the loop. Rows go in tiles of
+ * 4 that share each weight load; a row's sum is the same whatever the tile. */
+static void q4a16_rows(const int16_t *xp, const float *xs, const float *xsum, int64_t rows, int64_t k,
+                       const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / GROUP;
+    float *xs_pairs = aligned_alloc(32, sizeof(float) * 4 * groups * rows);
+    for (int64_t m = 0; m < rows; m++) scale_pairs(xs + m * groups, groups, xs_pairs + m * 4 * groups);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < n_out; n++) {
         const uint8_t *qn = q + n * (k / 2);
         const float *sn = scale + n * groups, *ln = low + n * groups;
-        const __m256i nibble = _mm256_set1_epi16(15);
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g += 2) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(qn + g * (GROUP / 2)));
-            const int16_t *x = xp + g * GROUP;
-            __m256i s = _mm256_madd_epi16(_mm256_and_si256(b, nibble), _mm256_loadu_si256((const __m256i *)x));
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble),
-                                                      _mm256_loadu_si256((const __m256i *)(x + 16))));
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 8), nibble),
-                                                      _mm256_loadu_si256((const __m256i *)(x + 32))));
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_srli_epi16(b, 12),
-                                                      _mm256_loadu_si256((const __m256i *)(x + 48))));
-            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd((const double *)(sn + g))), halves);
-            const __m256 d = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_load_ps(xs_pairs + 4 * g)), sw, a0);
-            a0 = a1;
-            a1 = d;
+        for (int64_t m = 0; m < rows; m += 4) {
+            const int64_t R = rows - m < 4 ? rows - m : 4;
+            const int16_t *x = xp + m * k;
+            const float *p = xs_pairs + m * 4 * groups, *sums = xsum + m * groups;
+            float *out = y + m * n_out + n;
+            switch (R) {  /* a constant R each: the tile's loops unrolled */
+                case 1: q4a16_tile(x, p, sums, 1, k, qn, sn, ln, out, n_out); break;
+                case 2: q4a16_tile(x, p, sums, 2, k, qn, sn, ln, out, n_out); break;
+                case 3: q4a16_tile(x, p, sums, 3, k, qn, sn, ln, out, n_out); break;
+                default: q4a16_tile(x, p, sums, 4, k, qn, sn, ln, out, n_out); break;
+            }
         }
-        __m256 lb = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= groups; g += 8) lb = _mm256_fmadd_ps(_mm256_loadu_ps(ln + g), _mm256_loadu_ps(xsum + g), lb);
-        float base = 0.0f;
-        for (; g < groups; g++) base += ln[g] * xsum[g];
-        y[n] = reduce8(_mm256_add_ps(_mm256_add_ps(a0, a1), lb)) + base;
     }
+    free(xs_pairs);
 }
 
 static void q4a16_product(const int16_t *xq, const float *xs, const float *xsum, int64_t rows, int64_t k,
@@ -531,6 +582,26 @@ static void q4a16_product(const int16_t *xq, const float *xs, const float *xsum,
     }
 }
 
+/* R (1..4) rows of x against one output row's int8 weights, each row summed in exactly the order
+ * one row alone is; each group's weights widened to int16 once for all R rows. */
+static inline void q8a16_tile(const int16_t *xq, const float *xs, const int R, int64_t k, const int8_t *qn,
+                              const float *sn, float *y, int64_t y_stride) {
+    const int64_t groups = k / GROUP;
+    __m256 a0[4], a1[4];
+    for (int t = 0; t < R; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + g * GROUP)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + g * GROUP + 16)));
+        for (int t = 0; t < R; t++) {
+            const __m256 d = _mm256_fmadd_ps(dot_i16(w0, w1, xq + t * k + g * GROUP),
+                                             _mm256_set1_ps(sn[g] * xs[t * groups + g]), a0[t]);
+            a0[t] = a1[t];
+            a1[t] = d;
+        }
+    }
+    for (int t = 0; t < R; t++) y[t * y_stride] = reduce8(_mm256_add_ps(a0[t], a1[t]));
+}
+
 static void q8a16_product(const int16_t *xq, const float *xs, int64_t rows, int64_t k, const int8_t *q,
                           const float *scale, int64_t n_out, float *y, int threads) {
     const int64_t groups = k / GROUP;
@@ -538,22 +609,17 @@ static void q8a16_product(const int16_t *xq, const float *xs, int64_t rows, int6
     for (int64_t n = 0; n < n_out; n++) {
         const int8_t *qn = q + n * k;
         const float *sn = scale + n * groups;
-        if (rows == 1) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            for (int64_t g = 0; g < groups; g++) {
-                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + g * GROUP)));
-                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + g * GROUP + 16)));
-                const __m256 d = _mm256_fmadd_ps(dot_i16(w0, w1, xq + g * GROUP), _mm256_set1_ps(sn[g] * xs[g]), a0);
-                a0 = a1;
-                a1 = d;
+        for (int64_t m = 0; m < rows; m += 4) {
+            const int16_t *x = xq + m * k;
+            const float *s = xs + m * groups;
+            float *out = y + m * n_out + n;
+            switch (rows - m < 4 ? rows - m : 4) {  /* a constant R each: the tile's loops unrolled */
+                case 1: q8a16_tile(x, s, 1, k, qn, sn, out, n_out); break;
+                case 2: q8a16_tile(x, s, 2, k, qn, sn, out, n_out); break;
+                case 3: q8a16_tile(x, s, 3, k, qn, sn, out, n_out); break;
+                default: q8a16_tile(x, s, 4, k, qn, sn, out, n_out); break;
             }
-            y[n] = reduce8(_mm256_add_ps(a0, a1));
-            continue;
         }
-        int16_t wide[8192] __attribute__((aligned(32)));
-        for (int64_t i = 0; i < k; i += 16)
-            _mm256_store_si256((__m256i *)(wide + i), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + i))));
-        a16_rows(wide, sn, xq, xs, rows, k, y + n, n_out);
     }
 }
 
@@ -676,10 +742,10 @@ void pdflow_q4a16_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q
     float *xs = malloc(sizeof(float) * 2 * rows * groups), *xsum = xs + rows * groups;
     quantize_rows16(x, rows, k, xq, xs, xsum);
 #if defined(__AVX2__) && defined(__FMA__)
-    if (rows == 1 && k % (2 * GROUP) == 0) {  /* one row: two groups at a time, activations reordered */
-        int16_t *xp = aligned_alloc(32, (size_t)(k * 2 + 31) / 32 * 32);
-        pair_order16(xq, k, xp);
-        q4a16_row_pairs(xp, xs, xsum, k, q, scale, low, n_out, y, threads);
+    if (k % (2 * GROUP) == 0) {  /* two groups at a time, activations reordered */
+        int16_t *xp = aligned_alloc(32, (size_t)(rows * k * 2 + 31) / 32 * 32);
+        for (int64_t m = 0; m < rows; m++) pair_order16(xq + m * k, k, xp + m * k);
+        q4a16_rows(xp, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
         free(xp);
     } else
 #endif
