@@ -96,7 +96,7 @@ def test_budgets_respect_max_tokens_the_context_and_the_rows():
 
 
 def test_drafts_that_keep_failing_stop_and_are_probed_again():
-    spec = Speculation(proposer("ngram", None), num_tokens=5, adaptive=True, probe_every=4)
+    spec = Speculation(proposer("ngram", None), num_tokens=5, adaptive=True, row_cost=0.1, probe_every=4)
     seq = _seq()
     assert spec.wanted(seq) == 5  # hopeful at first
     for _ in range(6):

@@ -99,6 +99,15 @@ def test_a_head_prune_calibration_is_relative_to_the_topology(tmp_path: Path) ->
     assert window.link("kv_shuttle", "decode").make_codec().spec == "sink-window:window=2048"
 
 
+def test_speculative_decoding() -> None:
+    assert not parse().speculative.enabled and parse().speculative.make(None) is None
+    t = parse("[speculative]", 'method = "ngram"', "num_tokens = 3", "adaptive = false", "options = { max_n = 2 }")
+    spec = t.speculative.make(None)
+    assert (spec.num_tokens, spec.adaptive, spec.proposer.params) == (3, False, {"min_n": 1, "max_n": 2})
+    inline = parse('speculative = { method = "ngram", num_tokens = 5 }')  # the same, as one line
+    assert inline.speculative.method == "ngram" and inline.speculative.num_tokens == 5
+
+
 def test_a_store_codec() -> None:
     t = parse("[kv]", 'codec = "int4"', "codec_options = { value_group = 32 }")
     assert t.kv.store_codec().spec == "int4:value_group=32"
@@ -196,6 +205,12 @@ BAD_FILES = [
      "links[1].transport", 8, "kv_shuttle receives KV on one data port"),
     ("unknown codec", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "zstd"'],
      "links[0].codec", 4, "unknown KV codec 'zstd'; known: none, int8, int4, head-prune, sink-window"),
+    ("unknown proposer", ["[speculative]", 'method = "medusa"'], "speculative.method", 2, "unknown proposer 'medusa'"),
+    ("bad proposer option", ["[speculative]", 'method = "ngram"', "options = { max_n = 0 }"], "speculative.options", 3,
+     "max_n must be an integer >= 1"),
+    ("unknown proposer option", ["[speculative]", 'method = "ngram"', "options = { n = 3 }"], "speculative.options",
+     3, "unknown ngram proposer parameters ['n']"),
+    ("draft too long", ["[speculative]", 'method = "ngram"', "num_tokens = 0"], "speculative.num_tokens", 3, ">= 1"),
     ("head pruning into the store", ["[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "head-prune"',
                                      'codec_options = { pruned = "1.1" }'],
      "links[0].codec", 4, "Use it on the link kv_shuttle -> decode"),

@@ -14,15 +14,19 @@ generator, so a seeded request is reproducible (though not the same draws as wit
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from pdflow.engine.sampler import Sampler
 from pdflow.speculative.base import Draft
+
+if TYPE_CHECKING:
+    from pdflow.engine.sampler import Sampler
 
 __all__ = ["accept"]
 
 
-def accept(logits: torch.Tensor, draft: Draft, sampler: Sampler) -> list[int]:
+def accept(logits: torch.Tensor, draft: Draft, sampler: "Sampler") -> list[int]:
     """The tokens the sequence emits this step: the draft tokens kept and one of the target's
     (``logits`` ``(len(draft.tokens) + 1, vocab)``)."""
     tokens = draft.tokens

@@ -180,6 +180,8 @@ class DecodeStage(Stage):
         sent = {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.from_shuttle, self.to_shuttle)}
         if self.link_codec.drops_tokens:
             sent["kv_prompt_tokens_dropped"] = self.dropped_tokens
+        if self.batch.speculation is not None:
+            sent.update(self.batch.speculation.stats())
         if self.pool is None:
             return {**sent, "attends_in_store": int(self.in_place)}
         return {**sent, "pool_blocks": self.pool.arena.num_slots, "pool_free_blocks": self.pool.free_slots,

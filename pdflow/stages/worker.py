@@ -76,7 +76,8 @@ class WorkerStage(Stage):
         await self.bus.send("ingress", 0, KvForgotten(message.forget_id, self.ctx.stage, self.replica, memory, 0))
 
     def stats(self) -> dict[str, int]:
-        return self.cache.stats() if self.cache is not None else {}
+        speculation = self.batch.speculation.stats() if self.batch.speculation is not None else {}
+        return {**(self.cache.stats() if self.cache is not None else {}), **speculation}
 
     def on_request(self, message: PrefillRequest) -> None:
         self.requests.open(message.request_id, message)

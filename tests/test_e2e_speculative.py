@@ -1,0 +1,71 @@
+"""End to end with speculative decoding (prompt lookup) in decode and in the colocated worker:
+greedy answers are token for token those of the engine in this process without speculation,
+drafts were verified and kept (/health counts them), and stop rules still cut where they must."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdflow.testing.server import PdflowServer
+
+pytestmark = pytest.mark.e2e
+
+PASSAGE = ("The river Wen rises in the hills above Carrow and runs south for forty miles. Its water turned "
+           "three mills; the largest, at Dunmere, ground grain for the valley until a flood broke its wheel in 1931.")
+QUESTIONS = [f"Here is a passage:\n{PASSAGE}\nRepeat the passage exactly, word for word.",
+             f"Answer from this passage, quoting it.\n{PASSAGE}\nWhat happened to the mill at Dunmere?",
+             "Name three primary colors."]
+SPECULATIVE = '\n[speculative]\nmethod = "ngram"\nnum_tokens = 4\n'
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def server(request, tmp_path_factory):
+    with PdflowServer(tmp_path_factory.mktemp(request.param), mode=request.param, extra=SPECULATIVE) as running:
+        running.mode = request.param
+        yield running
+
+
+def _reference(served_model, question: str, max_tokens: int) -> str:
+    from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
+    from pdflow.messages import SamplingParams
+
+    loaded, tokenizer = served_model
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    sampler = Sampler(SamplingParams(max_tokens=max_tokens, temperature=0))
+    kv = {}
+    first = prefill(loaded, ids, sampler, lambda layer, k, v: kv.__setitem__(layer, (k.transpose(0, 1), v.transpose(0, 1))))
+    batch = DecodeBatch(loaded, max_batch=1)
+    batch.add(Sequence("reference", len(ids), first.first_token, sampler), kv.__getitem__)
+    tokens = [first.first_token]
+    while len(tokens) < max_tokens and tokens[-1] not in loaded.eos_token_ids:
+        tokens.extend(token for _, token in batch.step())
+    return tokenizer.decode([t for t in tokens if t not in loaded.eos_token_ids], skip_special_tokens=True)
+
+
+def test_greedy_answers_are_those_without_speculation(server, served_model):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for question in QUESTIONS:
+        reply = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                               temperature=0, max_tokens=48)
+        assert reply.choices[0].message.content == _reference(served_model, question, 48), question
+        assert reply.usage.completion_tokens <= 48
+    time.sleep(1.5)  # a heartbeat carries the counters
+    stages = httpx.get(f"{server.url}/health", timeout=10).json()["stages"]
+    stats = stages["decode-0" if server.mode == "disaggregated" else "worker-0"]["stats"]
+    assert stats["speculative_accepted"] > 0 and stats["speculative_proposed"] >= stats["speculative_accepted"]
+    assert stats["speculative_speculative_steps"] <= stats["speculative_steps"]
+
+
+def test_a_stop_string_inside_a_kept_draft_still_ends_the_answer(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    full = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                          temperature=0, max_tokens=40).choices[0].message.content
+    word = full.split()[6]
+    cut = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                         temperature=0, max_tokens=40, stop=[word])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == full[: full.index(word)]
