@@ -121,6 +121,11 @@ def _bench_parser(sub) -> None:
     kv_codecs.add_arguments(bench_sub.add_parser(
         "kv-codecs", help="each KV codec's bytes per token, quality cost (agreement, KL, perplexity) and speed",
         description=kv_codecs.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+    from pdflow.bench import speculative
+
+    speculative.add_arguments(bench_sub.add_parser(
+        "speculative", help="decoding with and without speculation on quoting and free-form workloads",
+        description=speculative.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
     from pdflow.bench import kv_heads
 
     kv_heads.add_arguments(bench_sub.add_parser(
@@ -154,6 +159,10 @@ def _bench(args) -> int:
         from pdflow.bench import kv_codecs
 
         return kv_codecs.main(args)
+    if args.bench_command == "speculative":
+        from pdflow.bench import speculative
+
+        return speculative.main(args)
     if args.bench_command == "kv-heads":
         from pdflow.bench import kv_heads
 

@@ -53,7 +53,7 @@ class Speculation:
             raise ValueError(f"speculative.row_cost must be a number in [0, 1], got {row_cost!r}")
         self.proposer, self.num_tokens, self.adaptive = proposer, num_tokens, bool(adaptive)
         self.max_rows, self.row_cost, self.probe_every = max_rows, float(row_cost), probe_every
-        self.counts = {"steps": 0, "speculative_steps": 0, "proposed": 0, "accepted": 0}
+        self.counts = {"steps": 0, "speculative_steps": 0, "drafts": 0, "proposed": 0, "accepted": 0}
 
     # ---- how many tokens each sequence drafts ----
 
@@ -98,6 +98,7 @@ class Speculation:
         """A verify kept ``accepted`` of the ``proposed`` draft tokens of ``seq``."""
         seq.proposed += proposed
         seq.accepted += accepted
+        self.counts["drafts"] += proposed > 0
         self.counts["proposed"] += proposed
         self.counts["accepted"] += accepted
         if proposed:
@@ -109,8 +110,8 @@ class Speculation:
         self.proposer.forget(seq)
 
     def stats(self) -> dict[str, int]:
-        """Counters for a stage's /health: steps, those that verified a draft, draft tokens
-        proposed and accepted."""
+        """Counters for a stage's /health: steps, those that verified a draft, drafts verified
+        (one per sequence and step), draft tokens proposed and accepted."""
         return {f"speculative_{name}": value for name, value in self.counts.items()}
 
 
