@@ -235,6 +235,8 @@ class Tokens(Message):
     finish_reason: str | None = None  # "stop" | "length" | None
     timeline: dict[str, list[float]] = {}
     cached_tokens: int = 0  # on the first: prompt tokens whose KV came from the store
+    draft_proposed: int = 0  # speculative decoding: draft tokens verified for the request so far ...
+    draft_accepted: int = 0  # ... and kept
 
 
 class TextDelta(Message):
@@ -249,6 +251,8 @@ class TextDelta(Message):
     timeline: dict[str, list[float]] = {}
     cached_tokens: int = 0
     token_ids: list[int] = []
+    draft_proposed: int = 0  # as in Tokens
+    draft_accepted: int = 0
 
 
 class RequestFailed(Message):

@@ -129,6 +129,19 @@ def test_cache_summary_reports_the_hit_ratio_beside_the_bound():
     assert c["bound_tokens"] == 8 and c["of_bound"] == 0.5 and c["hit_ratio"] == 4 / 18
 
 
+def test_speculation_summary_from_what_the_server_reports():
+    records = [_record(i, 0.1, [0.01], 2) for i in range(3)]
+    assert summarize(records, 2.0)["speculation"] is None  # a server that does not speculate says nothing
+    for r, (kept, rejected) in zip(records, [(6, 2), (0, 4), (10, 0)]):
+        r.drafts_accepted, r.drafts_rejected, r.output_tokens = kept, rejected, 20
+    s = summarize(records, 2.0)["speculation"]
+    assert (s["accepted"], s["rejected"], s["acceptance"]) == (16, 6, 16 / 22)
+    assert s["accepted_per_output_token"] == 16 / 60
+    from pdflow.bench.serve_report import _speculation_lines
+
+    assert "accepted 72.7% of draft tokens (16 kept, 6 rejected)" in _speculation_lines(s)[0]
+
+
 # --- prompts -------------------------------------------------------------------------------------
 
 

@@ -54,6 +54,11 @@ def test_greedy_answers_are_those_without_speculation(server, served_model):
                                                temperature=0, max_tokens=48)
         assert reply.choices[0].message.content == _reference(served_model, question, 48), question
         assert reply.usage.completion_tokens <= 48
+        details = reply.usage.completion_tokens_details  # draft tokens kept and rejected, per request
+        if question == QUESTIONS[0]:
+            assert details.accepted_prediction_tokens > 0
+        if details is not None:
+            assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
     time.sleep(1.5)  # a heartbeat carries the counters
     stages = httpx.get(f"{server.url}/health", timeout=10).json()["stages"]
     stats = stages["decode-0" if server.mode == "disaggregated" else "worker-0"]["stats"]

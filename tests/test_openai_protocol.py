@@ -159,6 +159,9 @@ def test_response_shapes():
     assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                           "prompt_tokens_details": {"cached_tokens": 0}}
     assert chat_response(rid, "m", "hey", "stop", 500, 2, 448)["usage"]["prompt_tokens_details"] == {"cached_tokens": 448}
+    assert "completion_tokens_details" not in r["usage"]  # only when the server speculated
+    assert chat_response(rid, "m", "hey", "stop", 5, 9, 0, (10, 7))["usage"]["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 7, "rejected_prediction_tokens": 3}
 
     first = chat_chunk(rid, "m", 10, None, None, role_first=True)
     assert first["object"] == "chat.completion.chunk" and first["created"] == 10

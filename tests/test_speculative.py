@@ -24,7 +24,7 @@ def _seq(history=None, max_tokens=100, temperature=0.0, seed=None, generated=1, 
 
 
 def test_the_builtin_proposers_are_registered():
-    assert "ngram" in registry.names()
+    assert {"ngram", "self-draft"} <= set(registry.names())
     with pytest.raises(LookupError, match="unknown proposer"):
         proposer("medusa", None)
     with pytest.raises(TypeError, match="unknown ngram proposer parameters"):
@@ -146,8 +146,9 @@ def _run(loaded, batch, prompts, max_tokens=40):
     return [outputs[f"s{i}"] for i in range(len(prompts))], seqs
 
 
-@pytest.mark.parametrize("kind", ["paged", "dense-kernel", "dense-torch"])
-def test_greedy_tokens_are_those_without_speculation(loaded_model, kind):
+@pytest.mark.parametrize(("kind", "method"), [("paged", "ngram"), ("dense-kernel", "ngram"), ("dense-torch", "ngram"),
+                                             ("paged", "self-draft"), ("dense-torch", "self-draft")])
+def test_greedy_tokens_are_those_without_speculation(loaded_model, kind, method):
     from pdflow.engine import DecodeBatch
     from pdflow.engine.paged import KvPool, PagedDecodeBatch
     from pdflow.kv.arena import ArenaLayout
@@ -164,10 +165,20 @@ def test_greedy_tokens_are_those_without_speculation(loaded_model, kind):
 
     plain, _ = _run(loaded, batch(), prompts)
     speculating = batch()
-    speculating.speculation = Speculation(proposer("ngram", loaded), num_tokens=5)
+    options = {"layers": 12} if method == "self-draft" else {}
+    speculating.speculation = Speculation(proposer(method, loaded, **options), num_tokens=4, adaptive=False)
     drafted, seqs = _run(loaded, speculating, prompts)
     assert drafted == plain
     assert all(len(tokens) == 40 for tokens in drafted)
     counts = speculating.speculation.counts
-    assert counts["accepted"] > 20 and counts["steps"] < 3 * 39  # the quoting prompts took fewer steps
-    assert seqs[0].accepted > seqs[2].accepted  # the repeating one kept the most
+    assert 0 < counts["accepted"] < counts["proposed"]
+    if method == "ngram":
+        assert counts["accepted"] > 20 and counts["steps"] < 3 * 39  # the quoting prompts took fewer steps
+        assert seqs[0].accepted > seqs[2].accepted  # the repeating one kept the most
+
+
+def test_self_draft_needs_fewer_layers_than_the_model(loaded_model):
+    loaded, _ = loaded_model
+    with pytest.raises(ValueError, match="fewer than the model's 30"):
+        proposer("self-draft", loaded, layers=30)
+    assert proposer("self-draft", None, layers=30).params["layers"] == 30  # (a topology's check: no model)

@@ -14,6 +14,9 @@ Definitions (latencies in milliseconds):
   cached_tokens``) over all prompt tokens (the hit ratio), the prompt tokens it had to compute,
   and the same ratio for an unbounded cache on the same request sequence
   (:mod:`pdflow.bench.cache_bound`), with the measured ratio as a fraction of that bound.
+* Speculative decoding: draft tokens the server reports as accepted and rejected
+  (``usage.completion_tokens_details``, OpenAI's predicted-output fields), the acceptance rate,
+  and the share of output tokens that came from accepted drafts.
 """
 
 from __future__ import annotations
@@ -99,6 +102,19 @@ def cache_summary(records: list[RequestRecord], block_tokens: int) -> dict:
     }
 
 
+def speculation_summary(records: list[RequestRecord]) -> dict | None:
+    """Draft tokens the server kept and rejected over the run (None: it reported none)."""
+    reported = [r for r in records if r.ok and r.drafts_accepted is not None]
+    if not reported:
+        return None
+    accepted = sum(r.drafts_accepted for r in reported)
+    rejected = sum(r.drafts_rejected or 0 for r in reported)
+    output = sum(r.output_tokens for r in reported)
+    return {"reported": len(reported), "accepted": accepted, "rejected": rejected,
+            "acceptance": accepted / (accepted + rejected) if accepted + rejected else 0.0,
+            "accepted_per_output_token": accepted / output if output else 0.0}
+
+
 def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_ms: float | None = None,
               slo_tbt_ms: float | None = None, block_tokens: int = 64) -> dict:
     """Every metric of one run; ``duration_s`` runs from the first send to the last reply;
@@ -136,4 +152,5 @@ def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_ms: floa
         "chunks_differ_from_usage": sum(r.usage_completion_tokens not in (None, r.chunks) for r in ok),
         "output_len_differs": sum(r.output_tokens != r.output_len for r in ok),
         "cache": cache_summary(records, block_tokens),
+        "speculation": speculation_summary(records),
     }

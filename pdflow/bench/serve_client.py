@@ -29,6 +29,8 @@ class RequestRecord:
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server says
+    drafts_accepted: int | None = None  # usage.completion_tokens_details: speculative draft tokens kept ...
+    drafts_rejected: int | None = None  # ... and rejected, when the server says
     output_tokens: int = 0  # usage when the server sent it, else chunks
     finish_reason: str | None = None
     request_id: str | None = None
@@ -106,6 +108,10 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, record: RequestR
                     details = usage.get("prompt_tokens_details") or {}
                     if details.get("cached_tokens") is not None:
                         record.cached_tokens = details["cached_tokens"]
+                    drafts = usage.get("completion_tokens_details") or {}
+                    if drafts.get("accepted_prediction_tokens") is not None:
+                        record.drafts_accepted = drafts["accepted_prediction_tokens"]
+                        record.drafts_rejected = drafts.get("rejected_prediction_tokens") or 0
                 for choice in chunk.get("choices") or []:
                     record.finish_reason = choice.get("finish_reason") or record.finish_reason
                 if text := _text(chunk, chat):

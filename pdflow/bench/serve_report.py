@@ -44,6 +44,7 @@ def table(run_label: str, m: dict) -> str:
         f"{'goodput':<26}{m['goodput']:.3f} req/s, {100 * m['goodput_fraction']:.1f}% of requests "
         f"({_slo(m)})",
         *_cache_lines(m.get("cache")),
+        *_speculation_lines(m.get("speculation")),
         "-" * WIDTH,
         f"{'latency (ms)':<26}" + "".join(f"{c:>9}" for c in COLUMNS) + f"{'count':>8}",
     ]
@@ -55,6 +56,14 @@ def table(run_label: str, m: dict) -> str:
         lines += [f"  {e}" for e in m["errors"]]
     lines.append("=" * WIDTH)
     return "\n".join(lines) + "\n"
+
+
+def _speculation_lines(s: dict | None) -> list[str]:
+    if not s:
+        return []
+    return [f"{'speculative decoding':<26}accepted {100 * s['acceptance']:.1f}% of draft tokens "
+            f"({s['accepted']} kept, {s['rejected']} rejected); {100 * s['accepted_per_output_token']:.1f}% of "
+            "output tokens came from drafts"]
 
 
 def _cache_lines(c: dict | None) -> list[str]:

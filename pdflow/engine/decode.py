@@ -249,10 +249,12 @@ class DecodeBatch:
         logits = self._forward_rows(list(range(n)), [0] * n, [s.next_token for s in seqs])
         return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))
 
-    def _forward_rows(self, owners: list[int], offsets: list[int], tokens: list[int]) -> torch.Tensor:
+    def _forward_rows(self, owners: list[int], offsets: list[int], tokens: list[int],
+                      num_layers: int | None = None) -> torch.Tensor:
         """Logits of rows of the batch's sequences, each one token (``tokens[r]``, of sequence
         ``owners[r]``, ``offsets[r]`` places after its ``next_token``), in one forward pass: a
-        row's keys and values are written at its place, and it attends up to and including it."""
+        row's keys and values are written at its place, and it attends up to and including it.
+        ``num_layers``: the first layers only (an early exit; the compact engine's)."""
         seqs, device = self.sequences, self.loaded.device
         places = torch.tensor([seqs[o].length + off for o, off in zip(owners, offsets)], device=device)
         kv_len = int(places.max()) + 1
@@ -272,6 +274,8 @@ class DecodeBatch:
                 mask = mask[:, None, None, :]
             cache = _BatchCache(self, rows, places, kv_len, gather)
         positions = torch.tensor([[seqs[o].position + off] for o, off in zip(owners, offsets)], device=device)
+        if num_layers is not None:
+            return self.loaded.model(input_ids, positions, mask, cache, num_layers=num_layers)
         return self.loaded.model(input_ids, positions, mask, cache)
 
 

@@ -254,12 +254,17 @@ class CompactLlama:
         linear = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return sum(m.nbytes for m in linear) + self.lm_head.nbytes
 
+    early_exit = True  # forward(num_layers=...) runs the first layers and the head (self-drafting)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
-                every_position: bool = False) -> torch.Tensor:
+                every_position: bool = False, num_layers: int | None = None) -> torch.Tensor:
         """``input_ids`` and ``positions`` ``(batch, tokens)``; ``mask`` None (plain causal) or
         additive ``(batch, 1, tokens, kv_len)``. Returns fp32 logits ``(batch, vocab)`` of each
-        row's last position, or ``(batch, tokens, vocab)`` with ``every_position``."""
+        row's last position, or ``(batch, tokens, vocab)`` with ``every_position``.
+        ``num_layers``: run only the first layers, then the final norm and the head (an early
+        exit: a self-drafting proposer's draft model); the cache gets those layers' KV only."""
+        layers = self.layers[:num_layers]
         batch, tokens = input_ids.shape
         rows = batch * tokens
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -268,13 +273,13 @@ class CompactLlama:
         flat_positions = positions.reshape(rows)
         blocks = getattr(cache, "blocks", None) if tokens == 1 and steps is self.fused and not every_position else None
         if blocks is not None and self.native_layers is not None:  # the whole step in C
-            self._native_step(hidden, flat_positions.contiguous(), blocks())
+            self._native_step(hidden, flat_positions.contiguous(), blocks(), len(layers))
             return self.lm_head(steps.norm(hidden, self.norm, self.eps)).float()
         cos, sin = self.cos[flat_positions], self.sin[flat_positions]
         causal = mask is None and tokens > 1
         attend = getattr(cache, "attend", None) if tokens == 1 else None  # a decode cache's own attention
         targets = getattr(cache, "targets", None) if batch == 1 else None  # a prefill computing in place
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(layers):
             qkv = layer.qkv(steps.norm(hidden, layer.input_norm, self.eps))
             runs = targets(index) if targets is not None else None
             if runs is None:
@@ -301,12 +306,14 @@ class CompactLlama:
         return self.lm_head(TORCH_STEPS.norm(last, self.norm, self.eps) if steps is TORCH_STEPS
                             else steps.norm(last.contiguous(), self.norm, self.eps)).float()
 
-    def _native_step(self, hidden: torch.Tensor, positions: torch.Tensor, blocks: kernels.CacheBlocks) -> None:
-        """Every layer of a one-token step in one call into the kernels (``hidden`` in place)."""
+    def _native_step(self, hidden: torch.Tensor, positions: torch.Tensor, blocks: kernels.CacheBlocks,
+                     num_layers: int) -> None:
+        """The first ``num_layers`` layers of a one-token step in one call into the kernels
+        (``hidden`` in place)."""
         if int(positions.max()) >= self.cos.shape[0]:  # C reads the rotary table unchecked
             raise IndexError(f"position {int(positions.max())} is past the model's {self.cos.shape[0]} positions")
         self.fused.lib.pdflow_decode_layers(
-            self.native_layers, len(self.layers), hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.num_heads,
+            self.native_layers, num_layers, hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.num_heads,
             self.num_kv_heads, self.head_dim, self.intermediate, self.eps, positions.data_ptr(), self.cos.data_ptr(),
             self.sin.data_ptr(), blocks.lengths.data_ptr(), blocks.table.data_ptr(), blocks.table_width,
             blocks.block_tokens, blocks.keys, blocks.values, blocks.slot_stride, blocks.token_stride,

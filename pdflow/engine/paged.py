@@ -219,11 +219,13 @@ class PagedDecodeBatch:
         logits = self.loaded.model(input_ids, positions[:, None], None, cache)
         return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))
 
-    def _forward_rows(self, owners: list[int], offsets: list[int], tokens: list[int]) -> torch.Tensor:
+    def _forward_rows(self, owners: list[int], offsets: list[int], tokens: list[int],
+                      num_layers: int | None = None) -> torch.Tensor:
         """Logits of rows of the batch's sequences, each one token (``tokens[r]``, of sequence
         ``owners[r]``, ``offsets[r]`` places after its ``next_token``), in one forward pass: a
         row's keys and values are written at its place, and it attends over its sequence's cache
-        up to and including its own place, so the rows of one sequence see each other causally."""
+        up to and including its own place, so the rows of one sequence see each other causally.
+        ``num_layers``: the first layers only (an early exit, see the model's forward)."""
         seqs, bt = self.sequences, self.pool.block_tokens
         furthest = {}
         for owner, offset in zip(owners, offsets):
@@ -238,4 +240,4 @@ class PagedDecodeBatch:
         lengths = torch.tensor([seqs[o].length + off + 1 for o, off in zip(owners, offsets)], dtype=torch.int64)
         positions = torch.tensor([[seqs[o].position + off] for o, off in zip(owners, offsets)], dtype=torch.int64)
         cache = _PagedCache(self.pool, lengths, table, self._lib, self.kv_keep)
-        return self.loaded.model(torch.tensor([[t] for t in tokens]), positions, None, cache)
+        return self.loaded.model(torch.tensor([[t] for t in tokens]), positions, None, cache, num_layers=num_layers)

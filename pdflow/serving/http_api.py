@@ -212,7 +212,7 @@ async def _collect(ingress, http: Request, pending, results, chat: bool):
     ingress.finish(pending, last.timeline)
     build = chat_response if chat else completion_response
     body = build(pending.request_id, ingress.served_name, text, last.finish_reason,
-                 pending.prompt_len, last.completion_tokens, pending.cached_tokens)
+                 pending.prompt_len, last.completion_tokens, pending.cached_tokens, pending.drafts)
     return JSONResponse(body)
 
 
@@ -232,7 +232,7 @@ async def _stream(ingress, pending, results, chat: bool, include_usage: bool):
                   else completion_chunk(rid, model, created, "", last.finish_reason))
         if include_usage:
             yield sse(usage_chunk(rid, model, created, pending.prompt_len, last.completion_tokens, chat,
-                                  pending.cached_tokens))
+                                  pending.cached_tokens, pending.drafts))
         yield sse("[DONE]")
         finished = True
         ingress.finish(pending, last.timeline)

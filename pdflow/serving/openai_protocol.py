@@ -250,21 +250,29 @@ def new_request_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, drafts: tuple[int, int] = (0, 0)) -> dict:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV came
-    from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    from the prefix cache; with speculative decoding (``drafts``: draft tokens verified, kept),
+    ``completion_tokens_details`` says how many were accepted and rejected, in the fields OpenAI
+    uses for predicted outputs."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    proposed, accepted = drafts
+    if proposed:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": proposed - accepted}
+    return usage
 
 
 def chat_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                  prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+                  prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                  drafts: tuple[int, int] = (0, 0)) -> dict:
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                      "logprobs": None, "finish_reason": finish_reason}],
-        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
+        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens, drafts),
     }
 
 
@@ -282,11 +290,12 @@ def chat_chunk(request_id: str, model: str, created: int, delta_text: str | None
 
 
 def completion_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                        prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+                        prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                        drafts: tuple[int, int] = (0, 0)) -> dict:
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
+        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens, drafts),
     }
 
 
@@ -299,12 +308,12 @@ def completion_chunk(request_id: str, model: str, created: int, text: str,
 
 
 def usage_chunk(request_id: str, model: str, created: int, prompt_tokens: int,
-                completion_tokens: int, chat: bool, cached_tokens: int = 0) -> dict:
+                completion_tokens: int, chat: bool, cached_tokens: int = 0, drafts: tuple[int, int] = (0, 0)) -> dict:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
     return {
         "id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created, "model": model, "choices": [],
-        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
+        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens, drafts),
     }
 
 

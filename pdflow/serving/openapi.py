@@ -40,6 +40,10 @@ USAGE = {
         "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
         "total_tokens": {"type": "integer"},
         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}},
+        "completion_tokens_details": {
+            "type": "object", "description": "with speculative decoding: draft tokens kept and rejected",
+            "properties": {"accepted_prediction_tokens": {"type": "integer"},
+                           "rejected_prediction_tokens": {"type": "integer"}}},
     },
 }
 

@@ -25,7 +25,7 @@ class TextStream:
     still generating must be told to stop (a stop string matched before it finished)."""
 
     __slots__ = ("request_id", "detokenizer", "matcher", "next_index", "completion_tokens", "cached_tokens",
-                 "pending", "unreported", "skip_chars", "pending_text", "finished")
+                 "pending", "unreported", "skip_chars", "pending_text", "finished", "drafts")
 
     def __init__(self, request_id: str, tokenizer: Any, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
                  resume_ids: tuple[int, ...] | list[int] = (), resume_chars: int = 0):
@@ -40,6 +40,7 @@ class TextStream:
         self.skip_chars = resume_chars  # text the client already has (a migrated request)
         self.pending_text = ""  # rebuilt text of a migrated request not yet sent
         self.finished = False
+        self.drafts = (0, 0)  # speculative decoding: draft tokens verified and kept, the latest totals
         if resume_ids:  # rebuild the detokenizer's and the matcher's state; send only what is new
             self.completion_tokens = len(resume_ids)
             self.pending_text = self._unsent(self.matcher.feed(self.detokenizer.add(list(resume_ids)))[0])
@@ -68,6 +69,7 @@ class TextStream:
         self.completion_tokens += len(tokens.token_ids)
         self.unreported.extend(tokens.token_ids)
         self.cached_tokens = max(self.cached_tokens, tokens.cached_tokens)
+        self.drafts = max(self.drafts, (tokens.draft_proposed, tokens.draft_accepted))
         text, stopped = self.matcher.feed(self.detokenizer.add(tokens.token_ids))
         text = self.pending_text + self._unsent(text)
         self.pending_text = ""
@@ -82,6 +84,6 @@ class TextStream:
             return None, False
         self.finished = reason is not None
         delta = TextDelta(self.request_id, text, self.completion_tokens, reason, tokens.timeline,
-                          self.cached_tokens, self.unreported)
+                          self.cached_tokens, self.unreported, *self.drafts)
         self.unreported = []
         return delta, stop_producer

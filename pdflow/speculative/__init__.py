@@ -6,7 +6,7 @@ distribution).
 Proposers are plug-ins, selected in a topology's ``[speculative]`` table (``method = "ngram"``,
 with the method's own parameters beside ``num_tokens`` and the rest) and registered under the
 entry-point group ``pdflow.proposers`` (a :class:`Proposer` subclass). Built in: ``ngram``
-(prompt lookup).
+(prompt lookup) and ``self-draft`` (the model's first layers and its head).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pdflow.speculative.speculation import Speculation, speculative_step
 ENTRY_POINT_GROUP = "pdflow.proposers"
 BUILTIN = {
     "ngram": ("pdflow.speculative.ngram:NgramProposer", ""),
+    "self-draft": ("pdflow.speculative.self_draft:SelfDraftProposer", ""),
 }
 registry = Registry("proposer", ENTRY_POINT_GROUP, Proposer, BUILTIN)
 

@@ -9,9 +9,12 @@ this step):
   of rejections, estimates the chance ``a`` that a draft token is accepted (their ratio; 0.8
   before any evidence), and drafts the ``k`` (up to
   ``num_tokens``) that maximizes the tokens a step yields per its cost, ``(1 - a^(k+1)) / (1 - a)``
-  over ``1 + row_cost * k`` (``row_cost``: what one more verified row costs against a whole step;
-  0.4 by default, as measured here with the default weights: a 400-token sequence's step took 5.0
-  ms for one row, 7.2 for two, 10.6 for four, 15.9 for six). A sequence whose drafts keep failing drafts nothing;
+  over ``1 + c * k``, where ``c`` is what one more verified row costs against the sequence's share
+  of a step: ``row_cost`` (one more row against a one-row step; 0.4 by default, as measured here
+  with the default weights: a 400-token sequence's step took 5.0 ms for one row, 7.2 for two, 10.6
+  for four, 15.9 for six) at batch 1, rising with the batch, ``row_cost * B / (1 + row_cost * (B -
+  1))`` (0.84 at batch 8): on a CPU already computing, not waiting on memory, more rows cost about
+  what they add, so a larger batch drafts only where nearly every draft token is kept. A sequence whose drafts keep failing drafts nothing;
   every ``probe_every`` steps it drafts one token again, to notice when its output starts
   repeating. So speculation costs a workload it does not fit little more than the probes;
 - **the batch's rows**: a verify pass feeds every sequence its next token and its draft, one row
@@ -57,16 +60,24 @@ class Speculation:
 
     # ---- how many tokens each sequence drafts ----
 
-    def wanted(self, seq: "Sequence") -> int:
-        """Tokens ``seq`` drafts this step, by its acceptance so far (all of ``num_tokens`` when
-        not adaptive or without history)."""
+    def row_cost_in(self, batch: int) -> float:
+        """One more verified row against one sequence's share of a ``batch``-sequence step: a
+        step of ``B`` rows costs about ``1 + row_cost * (B - 1)`` one-row steps, a sequence's
+        share of it that over ``B``, and a draft token kept saves the sequence that share."""
+        return self.row_cost * batch / (1 + self.row_cost * (batch - 1))
+
+    def wanted(self, seq: "Sequence", row_cost: float | None = None) -> int:
+        """Tokens ``seq`` drafts this step, by its acceptance so far and what a row costs
+        (``row_cost``: against its share of a step; the one-row figure if None); all of
+        ``num_tokens`` when not adaptive."""
+        cost = self.row_cost if row_cost is None else row_cost
         state: dict[str, Any] = seq.extra.setdefault("speculation", {"kept": 0.0, "missed": 0.0, "idle": 0})
         if not self.adaptive:
             return self.num_tokens
         a = (state["kept"] + _PRIOR[0]) / (state["kept"] + state["missed"] + _PRIOR[1])
         best, best_rate = 0, 1.0
         for k in range(1, self.num_tokens + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / (1 + self.row_cost * k) if a < 1 else (k + 1) / (1 + self.row_cost * k)
+            rate = (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k) if a < 1 else (k + 1) / (1 + cost * k)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
@@ -77,7 +88,8 @@ class Speculation:
         return best
 
     def budgets(self, seqs: "list[Sequence]", max_context: int) -> list[int]:
-        budgets = [max(0, min(self.wanted(seq), seq.sampler.params.max_tokens - seq.generated - 1,
+        cost = self.row_cost_in(len(seqs))
+        budgets = [max(0, min(self.wanted(seq, cost), seq.sampler.params.max_tokens - seq.generated - 1,
                               max_context - 1 - seq.position)) for seq in seqs]
         rows = len(seqs) + sum(budgets)
         while rows > self.max_rows and any(budgets):  # the longest drafts give way first

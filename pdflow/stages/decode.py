@@ -461,7 +461,8 @@ class DecodeStage(Stage):
                 timeline["decode.joined"] = [seq.extra["joined"]]
                 timeline["decode.steps"] = seq.extra["steps"]
                 timeline["decode.end"] = [now]
-            message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline)
+            message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline,
+                             draft_proposed=seq.proposed, draft_accepted=seq.accepted)
             await self.send_output("tokens", entry.request.route, message)
 
     # --- the answer's KV back into the store ------------------------------------------------------

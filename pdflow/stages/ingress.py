@@ -68,6 +68,7 @@ class PendingRequest:
     generated: list[int] = field(default_factory=list)  # every token generated so far
     sent_chars: int = 0  # the text the client has been given
     cached_tokens: int = 0  # of the first attempt's prompt
+    drafts: tuple[int, int] = (0, 0)  # speculative decoding: draft tokens verified and kept (the latest totals)
     attempts: int = 0  # migrations so far
     migrating: bool = False
     abandoned: bool = False  # cancelled (client gone, failed) while it migrated
@@ -149,6 +150,7 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
             pending.sent_chars += len(message.text)
             if pending.attempts == 0:
                 pending.cached_tokens = max(pending.cached_tokens, message.cached_tokens)
+            pending.drafts = max(pending.drafts, (message.draft_proposed, message.draft_accepted))
         pending.queue.put_nowait(message)
 
     # --- submitting and cancelling ---------------------------------------------------------

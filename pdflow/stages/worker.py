@@ -197,5 +197,6 @@ class WorkerStage(Stage):
                 self.gone.add(seq.request_id)
                 self.finish(seq.request_id)
                 timeline = {**seq.extra["timeline"], "decode.steps": seq.extra["steps"], "decode.end": [now]}
-            message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline)
+            message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline,
+                             draft_proposed=seq.proposed, draft_accepted=seq.accepted)
             await self.send_output("tokens", request.route, message)

@@ -927,9 +927,11 @@ void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64
      * sequence reads each token's row whole, front to back, instead of one kv head's slice of it
      * per task (three strided passes over the same memory, which the prefetchers serve badly). */
     const int whole_rows = kv_heads > 1 && head_stride * kv_heads <= token_stride;
-    /* Fewer sequences than threads: each sequence's tokens are split into `parts` ranges, each
-     * range's softmax computed on its own and the parts merged after (flash-decoding's split). */
-    const int64_t parts = whole_rows && batch < threads ? threads : 1;
+    /* Each sequence's tokens are split into `parts` ranges (one per thread), each range's softmax
+     * computed on its own and the parts merged after (flash-decoding's split): with fewer rows than
+     * threads every thread works, and the split is the same however many rows share the call, so a
+     * row's result does not depend on the others (a speculative verify pass gives a plain step's). */
+    const int64_t parts = whole_rows ? threads : 1;
     const int64_t tasks = whole_rows ? batch * parts : batch * kv_heads * chunks;
     float *partial = parts > 1 ? malloc(sizeof(float) * batch * parts * heads * (head_dim + 2)) : NULL;
     #pragma omp parallel for num_threads(threads) schedule(static)
