@@ -13,9 +13,10 @@ Workloads (greedy, ``--tokens`` output tokens each, stopping at end of sequence 
 The passages: the documentation topics Python ships in its standard library
 (``pydoc_data.topics``, the Python Software Foundation License). Each workload runs on one
 engine (the model's default weights unless ``--weights``), in the paged batch a server's decode
-uses, prefill excluded from the times: first without speculation, then with it; a batch of
-``--batch`` sequences runs them ``--batch`` at a time. The ratio is the speculative run's tokens per
-second over the plain run's, from the same process.
+uses, prefill excluded from the times, ``--batches`` sequences at a time: each group of prompts
+without speculation and with it, one after the other (the order alternating from group to group,
+so both see the same machine). The ratio is the speculative runs' tokens per second over the plain
+runs', from the same process.
 """
 
 from __future__ import annotations
@@ -77,7 +78,33 @@ def prompts(name: str, count: int, tokenizer, loaded, tokens: int) -> list[list[
 
 def decode(loaded, prompt_ids: list[list[int]], tokens: int, speculation, batch: int) -> tuple[list[list[int]], dict]:
     """Greedy answers (up to ``tokens`` each, ending at end of sequence) of ``prompt_ids``,
-    ``batch`` at a time, and the decode time, steps and speculation counts."""
+    ``batch`` at a time, and the decode time, steps and speculation counts (``speculation``: a
+    factory of :class:`~pdflow.speculative.Speculation`, or None)."""
+    answers, stats = [], {}
+    for start in range(0, len(prompt_ids), batch):
+        out, counts = _decode_group(loaded, prompt_ids[start : start + batch], tokens, speculation)
+        answers += out
+        for key, value in counts.items():
+            stats[key] = stats.get(key, 0) + value
+    return answers, stats
+
+
+def decode_pair(loaded, prompt_ids: list[list[int]], tokens: int, speculation, batch: int):
+    """:func:`decode` without and with ``speculation``, group by group, alternating which goes
+    first, so that both see the same machine (this VM's speed drifts by tens of percent over
+    minutes). Returns ``(plain answers, plain stats, speculative answers, speculative stats)``."""
+    results = {None: ([], {}), speculation: ([], {})}
+    for g, start in enumerate(range(0, len(prompt_ids), batch)):
+        for mode in ((None, speculation) if g % 2 == 0 else (speculation, None)):
+            out, counts = _decode_group(loaded, prompt_ids[start : start + batch], tokens, mode)
+            results[mode][0].extend(out)
+            for key, value in counts.items():
+                results[mode][1][key] = results[mode][1].get(key, 0) + value
+    return (*results[None], *results[speculation])
+
+
+def _decode_group(loaded, prompt_ids: list[list[int]], tokens: int, speculation) -> tuple[list[list[int]], dict]:
+    """One batch of ``prompt_ids`` decoded together until every answer ends."""
     import torch
 
     from pdflow.engine import Sampler, Sequence, prefill
@@ -87,42 +114,37 @@ def decode(loaded, prompt_ids: list[list[int]], tokens: int, speculation, batch:
 
     block = 64
     longest = max(map(len, prompt_ids)) + tokens + block
-    pool = KvPool(ArenaLayout(loaded.layout, block, batch * -(-longest // block)))
+    pool = KvPool(ArenaLayout(loaded.layout, block, len(prompt_ids) * -(-longest // block)))
+    engine = PagedDecodeBatch(loaded, len(prompt_ids), pool)
+    engine.speculation = speculation() if speculation is not None else None
     answers: list[list[int]] = [[] for _ in prompt_ids]
+    for i, ids in enumerate(prompt_ids):
+        sampler = Sampler(SamplingParams(max_tokens=tokens, temperature=0))
+        kv = {}
+        first = prefill(loaded, ids, sampler, lambda layer, k, v, kv=kv: kv.__setitem__(
+            layer, (k.transpose(0, 1), v.transpose(0, 1))))
+        seq = Sequence(str(i), len(ids), first.first_token, sampler, history=[*ids, first.first_token],
+                       extra={"index": i})
+        answers[i].append(first.first_token)
+        engine.add_from(seq, kv.__getitem__)
     seconds, steps = 0.0, 0
-    counts: dict[str, int] = {}
-    for start in range(0, len(prompt_ids), batch):
-        engine = PagedDecodeBatch(loaded, batch, pool)
-        engine.speculation = speculation() if speculation is not None else None
-        for i in range(start, min(start + batch, len(prompt_ids))):
-            ids = prompt_ids[i]
-            sampler = Sampler(SamplingParams(max_tokens=tokens, temperature=0))
-            kv = {}
-            first = prefill(loaded, ids, sampler, lambda layer, k, v, kv=kv: kv.__setitem__(
-                layer, (k.transpose(0, 1), v.transpose(0, 1))))
-            seq = Sequence(str(i), len(ids), first.first_token, sampler, history=[*ids, first.first_token],
-                           extra={"index": i})
-            answers[i].append(first.first_token)
-            engine.add_from(seq, kv.__getitem__)
-        with torch.inference_mode():
-            while engine.sequences:
-                began = time.perf_counter()
-                results = engine.step()
-                seconds += time.perf_counter() - began
-                steps += 1
-                done = set()
-                for seq, token in results:
-                    out = answers[seq.extra["index"]]
-                    if seq in done:
-                        continue
-                    out.append(token)
-                    if len(out) >= tokens or token in loaded.eos_token_ids:
-                        done.add(seq)
-                for seq in done:
-                    engine.remove(seq)
-        if engine.speculation is not None:
-            for key, value in engine.speculation.counts.items():
-                counts[key] = counts.get(key, 0) + value
+    with torch.inference_mode():
+        while engine.sequences:
+            began = time.perf_counter()
+            results = engine.step()
+            seconds += time.perf_counter() - began
+            steps += 1
+            done = set()
+            for seq, token in results:
+                out = answers[seq.extra["index"]]
+                if seq in done:
+                    continue
+                out.append(token)
+                if len(out) >= tokens or token in loaded.eos_token_ids:
+                    done.add(seq)
+            for seq in done:
+                engine.remove(seq)
+    counts = dict(engine.speculation.counts) if engine.speculation is not None else {}
     generated = sum(len(a) - 1 for a in answers)  # the first token of each came from prefill
     return answers, {"seconds": seconds, "steps": steps, "tokens": generated, **counts}
 
@@ -153,8 +175,7 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
         decode(loaded, ids[:1], 8, None, 1)  # warm up
         for batch in args.batches:
             progress.write(f"{name}: batch {batch}, without and with speculation ...\n")
-            plain_out, plain = decode(loaded, ids, args.tokens, None, batch)
-            spec_out, spec = decode(loaded, ids, args.tokens, speculation, batch)
+            plain_out, plain, spec_out, spec = decode_pair(loaded, ids, args.tokens, speculation, batch)
             report["rows"][f"{name}@{batch}"] = {
                 "workload": name, "batch": batch, "plain": plain, "speculative": spec,
                 "identical": sum(a == b for a, b in zip(plain_out, spec_out)), "answers": len(ids),

@@ -39,6 +39,12 @@ class Proposer:
     name: ClassVar[str] = ""
     defaults: ClassVar[dict[str, Any]] = {}
 
+    @property
+    def draft_cost(self) -> float:
+        """What drafting one token costs against a one-row step of the model (0: next to nothing,
+        as a lookup); adaptation weighs it with the verify row's."""
+        return 0.0
+
     def __init__(self, loaded: "LoadedModel", **params: Any) -> None:
         unknown = set(params) - set(self.defaults)
         if unknown:

@@ -70,7 +70,7 @@ class Speculation:
         """Tokens ``seq`` drafts this step, by its acceptance so far and what a row costs
         (``row_cost``: against its share of a step; the one-row figure if None); all of
         ``num_tokens`` when not adaptive."""
-        cost = self.row_cost if row_cost is None else row_cost
+        cost = (self.row_cost if row_cost is None else row_cost) + self.proposer.draft_cost
         state: dict[str, Any] = seq.extra.setdefault("speculation", {"kept": 0.0, "missed": 0.0, "idle": 0})
         if not self.adaptive:
             return self.num_tokens
