@@ -200,7 +200,8 @@ def test_field_order_is_pinned() -> None:
     assert _names(PrefillRequest) == ["request_id", "prompt_ids", "sampling", "route", "keep_s"]
     assert _names(KvExpected) == ["request_id", "prompt_ids", "route", "keep_s"]
     assert _names(Heartbeat)[-2:] == ["stats", "notes"]
-    assert _names(Tokens) == ["request_id", "index", "token_ids", "finish_reason", "timeline", "cached_tokens"]
+    assert _names(Tokens) == ["request_id", "index", "token_ids", "finish_reason", "timeline", "cached_tokens",
+                              "draft_proposed", "draft_accepted"]
     assert _names(KvChunkHeader) == [
         "request_id", "layer", "kind", "token_start", "token_end", "dtype", "shape",
         "region", "offset", "nbytes", "checksum", "codec", "codec_block",
@@ -211,8 +212,9 @@ def test_field_order_is_pinned() -> None:
     assert _names(Route) == ["replicas"]
     assert _names(Hello) == ["protocol_version", "stage", "replica", "pid"]
     assert _names(TextDelta) == ["request_id", "text", "completion_tokens", "finish_reason", "timeline",
-                                 "cached_tokens", "token_ids"]
+                                 "cached_tokens", "token_ids", "draft_proposed", "draft_accepted"]
     assert _names(EgressRequest)[-2:] == ["resume_ids", "resume_chars"]
+    assert _names(DecodeRequest) == ["request_id", "prompt_len", "sampling", "route", "prompt_ids"]
 
 
 def test_appended_fields_have_defaults() -> None:

@@ -52,8 +52,8 @@ class Speculation:
                                    ("probe_every", probe_every, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"speculative.{name} must be an integer >= {least}, got {value!r}")
-        if not isinstance(row_cost, (int, float)) or isinstance(row_cost, bool) or not 0 <= row_cost <= 1:
-            raise ValueError(f"speculative.row_cost must be a number in [0, 1], got {row_cost!r}")
+        if not isinstance(row_cost, (int, float)) or isinstance(row_cost, bool) or not 0 <= row_cost < float("inf"):
+            raise ValueError(f"speculative.row_cost must be a number >= 0, got {row_cost!r}")
         self.proposer, self.num_tokens, self.adaptive = proposer, num_tokens, bool(adaptive)
         self.max_rows, self.row_cost, self.probe_every = max_rows, float(row_cost), probe_every
         self.counts = {"steps": 0, "speculative_steps": 0, "drafts": 0, "proposed": 0, "accepted": 0}
