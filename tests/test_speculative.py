@@ -59,7 +59,7 @@ def test_greedy_verification_keeps_the_drafts_the_target_agrees_with():
 @pytest.mark.parametrize("draft_probs", [False, True])
 def test_rejection_sampling_keeps_the_targets_distribution(draft_probs):
     """Vocabulary of 5: target p from logits (temperature 0.7, top-k 4), a draft token from q
-    (one-hot, as prompt lookup, or a real q); over 40,000 trials the first token emitted is
+    (one-hot, as prompt lookup, or a real q); over 20,000 trials the first token emitted is
     distributed as p (chi-square over the 4 tokens p can give, 3 degrees of freedom: 0.1% critical
     value 16.27; and never a token p cannot give)."""
     logits = torch.tensor([[1.2, 0.3, -0.5, 2.0, 0.1], [0.0, 0.0, 0.0, 0.0, 0.0]])
@@ -69,7 +69,7 @@ def test_rejection_sampling_keeps_the_targets_distribution(draft_probs):
     q = torch.tensor([0.1, 0.5, 0.2, 0.1, 0.1])
     rng = torch.Generator().manual_seed(5)
     counts = torch.zeros(5)
-    trials = 40_000
+    trials = 20_000
     for _ in range(trials):
         if draft_probs:
             token = int(torch.multinomial(q, 1, generator=rng))
@@ -121,7 +121,7 @@ def _prompts(tokenizer) -> list[list[int]]:
                          "Write one sentence about the sea.")]
 
 
-def _run(loaded, batch, prompts, max_tokens=40):
+def _run(loaded, batch, prompts, max_tokens=24):
     from pdflow.engine import prefill
 
     outputs = {}
@@ -146,8 +146,7 @@ def _run(loaded, batch, prompts, max_tokens=40):
     return [outputs[f"s{i}"] for i in range(len(prompts))], seqs
 
 
-@pytest.mark.parametrize(("kind", "method"), [("paged", "ngram"), ("dense-kernel", "ngram"), ("dense-torch", "ngram"),
-                                             ("paged", "self-draft"), ("dense-torch", "self-draft")])
+@pytest.mark.parametrize(("kind", "method"), [("paged", "ngram"), ("dense-torch", "ngram"), ("paged", "self-draft")])
 def test_greedy_tokens_are_those_without_speculation(loaded_model, kind, method):
     from pdflow.engine import DecodeBatch
     from pdflow.engine.paged import KvPool, PagedDecodeBatch
@@ -166,14 +165,15 @@ def test_greedy_tokens_are_those_without_speculation(loaded_model, kind, method)
     plain, _ = _run(loaded, batch(), prompts)
     speculating = batch()
     options = {"layers": 12} if method == "self-draft" else {}
-    speculating.speculation = Speculation(proposer(method, loaded, **options), num_tokens=4, adaptive=False)
+    speculating.speculation = Speculation(proposer(method, loaded, **options), num_tokens=2 if options else 4,
+                                          adaptive=False)
     drafted, seqs = _run(loaded, speculating, prompts)
     assert drafted == plain
-    assert all(len(tokens) == 40 for tokens in drafted)
+    assert all(len(tokens) == 24 for tokens in drafted)
     counts = speculating.speculation.counts
     assert 0 < counts["accepted"] < counts["proposed"]
     if method == "ngram":
-        assert counts["accepted"] > 20 and counts["steps"] < 3 * 39  # the quoting prompts took fewer steps
+        assert counts["accepted"] > 10 and counts["steps"] < 3 * 23  # the quoting prompts took fewer steps
         assert seqs[0].accepted > seqs[2].accepted  # the repeating one kept the most
 
 
