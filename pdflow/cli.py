@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -91,6 +92,17 @@ def _keys(args) -> int:
     return 0
 
 
+# pdflow bench ACTION for the benchmarks that are a module of pdflow.bench with add_arguments,
+# DESCRIPTION and main: ACTION -> (module, one-line help)
+BENCHES = {
+    "engine": ("engine", "the bare engine per weight format beside transformers and the memory floor"),
+    "disk": ("disk", "the KV store's disk tier beside dd, plain file I/O and memcpy"),
+    "kv-codecs": ("kv_codecs", "each KV codec's bytes per token, quality cost (agreement, KL, perplexity) and speed"),
+    "kv-heads": ("kv_heads", "how much each kv head matters (the head-prune codec's importance file)"),
+    "speculative": ("speculative", "decoding with and without speculation on quoting and free-form workloads"),
+}
+
+
 def _bench_parser(sub) -> None:
     from pdflow.bench import transfer
 
@@ -106,31 +118,11 @@ def _bench_parser(sub) -> None:
     from pdflow.bench import serve
 
     serve.add_parser(bench_sub)
-    from pdflow.bench import engine
-
-    engine.add_arguments(bench_sub.add_parser(
-        "engine", help="the bare engine per weight format beside transformers and the memory floor",
-        description=engine.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
-    from pdflow.bench import disk
-
-    disk.add_arguments(bench_sub.add_parser(
-        "disk", help="the KV store's disk tier beside dd, plain file I/O and memcpy",
-        description=disk.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
-    from pdflow.bench import kv_codecs
-
-    kv_codecs.add_arguments(bench_sub.add_parser(
-        "kv-codecs", help="each KV codec's bytes per token, quality cost (agreement, KL, perplexity) and speed",
-        description=kv_codecs.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
-    from pdflow.bench import speculative
-
-    speculative.add_arguments(bench_sub.add_parser(
-        "speculative", help="decoding with and without speculation on quoting and free-form workloads",
-        description=speculative.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
-    from pdflow.bench import kv_heads
-
-    kv_heads.add_arguments(bench_sub.add_parser(
-        "kv-heads", help="how much each kv head matters (the head-prune codec's importance file)",
-        description=kv_heads.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+    for name, (module, summary) in BENCHES.items():
+        bench_module = importlib.import_module(f"pdflow.bench.{module}")
+        bench_module.add_arguments(bench_sub.add_parser(
+            name, help=summary, description=bench_module.DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _trace_parser(sub) -> None:
@@ -151,26 +143,8 @@ def _trace_parser(sub) -> None:
 def _bench(args) -> int:
     if args.bench_command == "serve":
         return args.bench_main(args)
-    if args.bench_command == "engine":
-        from pdflow.bench import engine
-
-        return engine.main(args)
-    if args.bench_command == "kv-codecs":
-        from pdflow.bench import kv_codecs
-
-        return kv_codecs.main(args)
-    if args.bench_command == "speculative":
-        from pdflow.bench import speculative
-
-        return speculative.main(args)
-    if args.bench_command == "kv-heads":
-        from pdflow.bench import kv_heads
-
-        return kv_heads.main(args)
-    if args.bench_command == "disk":
-        from pdflow.bench import disk
-
-        return disk.main(args)
+    if args.bench_command in BENCHES:
+        return importlib.import_module(f"pdflow.bench.{BENCHES[args.bench_command][0]}").main(args)
     from pdflow.bench import transfer
 
     return transfer.main(args)

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from pdflow.testing.reference import chat_ids, greedy_answer
 from pdflow.testing.server import PdflowServer
 
 pytestmark = pytest.mark.e2e
@@ -30,33 +31,12 @@ def server(request, tmp_path_factory, model_dir):
 def _reference(served_model, question: str, max_tokens: int) -> str:
     """The greedy answer of the engine here, decode attending over the prompt's KV after a trip
     through int8 (as decode's blocks hold it)."""
-    from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
+    from pdflow.bench.kv_codecs import compressed
     from pdflow.kv.codecs import codec
-    from pdflow.kv.layout import KEYS, VALUES
-    from pdflow.messages import SamplingParams
 
     loaded, tokenizer = served_model
-    int8 = codec("int8")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
-    kv = {}
-
-    def sink(layer, keys, values):
-        out = []
-        for kind, x in ((KEYS, keys), (VALUES, values)):
-            back = x.new_empty(x.shape)
-            int8.decode_run(int8.encode_run(x.contiguous(), kind, 64), kind, back, 64)
-            out.append(back.transpose(0, 1))
-        kv[layer] = tuple(out)
-
-    sampler = Sampler(SamplingParams(max_tokens=max_tokens, temperature=0))
-    first = prefill(loaded, ids, sampler, sink)
-    tokens = [first.first_token]
-    batch = DecodeBatch(loaded, max_batch=1)
-    batch.add(Sequence("reference", len(ids), first.first_token, sampler), kv.__getitem__)
-    while len(tokens) < max_tokens and tokens[-1] not in loaded.eos_token_ids:
-        tokens.extend(token for _, token in batch.step())
-    return tokenizer.decode([t for t in tokens if t not in loaded.eos_token_ids], skip_special_tokens=True)
+    return greedy_answer(loaded, tokenizer, chat_ids(tokenizer, question), max_tokens,
+                         lambda keys, values: compressed(codec("int8"), keys, values, 64))
 
 
 def _stats(url: str) -> dict:

@@ -12,8 +12,8 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
+from pdflow.testing.reference import chat_ids, greedy_answer
 from pdflow.testing.server import PdflowServer
 
 pytestmark = pytest.mark.e2e
@@ -40,28 +40,11 @@ def server(request, tmp_path_factory):
 def _reference(served_model, codec_name: str, ids: list[int], max_tokens: int) -> str:
     """The greedy answer of the engine here from the KV the codec lets decode have."""
     from pdflow.bench.kv_codecs import compressed
-    from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
     from pdflow.kv.codecs import codec
-    from pdflow.messages import SamplingParams
 
     loaded, tokenizer = served_model
-    kv = {}
-    first = prefill(loaded, ids, Sampler(SamplingParams(max_tokens=max_tokens, temperature=0)),
-                    lambda layer, k, v: kv.__setitem__(layer, (k.clone(), v.clone())))
-    layers = range(loaded.num_layers)
-    past = compressed(codec(codec_name, **CODECS[codec_name]), [kv[i][0] for i in layers], [kv[i][1] for i in layers],
-                      BLOCK)
-    kept = past.keys[0].shape[0]
-    batch = DecodeBatch(loaded, max_batch=1)
-    if past.kv_keep is not None:
-        batch.kv_keep = past.kv_keep.to(torch.uint8)
-    sampler = Sampler(SamplingParams(max_tokens=max_tokens, temperature=0))
-    seq = Sequence("reference", kept, first.first_token, sampler, skipped=len(ids) - kept)
-    batch.add(seq, lambda layer: (past.keys[layer].transpose(0, 1), past.values[layer].transpose(0, 1)))
-    tokens = [first.first_token]
-    while len(tokens) < max_tokens and tokens[-1] not in loaded.eos_token_ids:
-        tokens.extend(token for _, token in batch.step())
-    return tokenizer.decode([t for t in tokens if t not in loaded.eos_token_ids], skip_special_tokens=True)
+    return greedy_answer(loaded, tokenizer, ids, max_tokens,
+                         lambda keys, values: compressed(codec(codec_name, **CODECS[codec_name]), keys, values, BLOCK))
 
 
 def _stats(url: str) -> dict:
@@ -71,7 +54,7 @@ def _stats(url: str) -> dict:
 def test_decode_answers_from_what_the_codec_keeps(server, served_model):
     _, tokenizer = served_model
     messages = [{"role": "user", "content": QUESTION}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = chat_ids(tokenizer, QUESTION)
     assert len(ids) > 4 * BLOCK
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     reply = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=20)

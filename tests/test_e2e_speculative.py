@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from pdflow.testing.reference import chat_ids, greedy_answer
 from pdflow.testing.server import PdflowServer
 
 pytestmark = pytest.mark.e2e
@@ -30,30 +31,12 @@ def server(request, tmp_path_factory):
         yield running
 
 
-def _reference(served_model, question: str, max_tokens: int) -> str:
-    from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
-    from pdflow.messages import SamplingParams
-
-    loaded, tokenizer = served_model
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
-    sampler = Sampler(SamplingParams(max_tokens=max_tokens, temperature=0))
-    kv = {}
-    first = prefill(loaded, ids, sampler, lambda layer, k, v: kv.__setitem__(layer, (k.transpose(0, 1), v.transpose(0, 1))))
-    batch = DecodeBatch(loaded, max_batch=1)
-    batch.add(Sequence("reference", len(ids), first.first_token, sampler), kv.__getitem__)
-    tokens = [first.first_token]
-    while len(tokens) < max_tokens and tokens[-1] not in loaded.eos_token_ids:
-        tokens.extend(token for _, token in batch.step())
-    return tokenizer.decode([t for t in tokens if t not in loaded.eos_token_ids], skip_special_tokens=True)
-
-
 def test_greedy_answers_are_those_without_speculation(server, served_model):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     for question in QUESTIONS:
         reply = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
                                                temperature=0, max_tokens=48)
-        assert reply.choices[0].message.content == _reference(served_model, question, 48), question
+        assert reply.choices[0].message.content == greedy_answer(*served_model, chat_ids(served_model[1], question), 48), question
         assert reply.usage.completion_tokens <= 48
         details = reply.usage.completion_tokens_details  # draft tokens kept and rejected, per request
         if question == QUESTIONS[0]:
