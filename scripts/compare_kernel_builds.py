@@ -1,4 +1,4 @@
-"""Time one-row int4-a16 products of SmolLM2's layer shapes in this checkout's kernels against
+"""Time int4-a16 products (one row, or ``--rows`` rows: a verify pass of speculative decoding) of SmolLM2's layer shapes in this checkout's kernels against
 another build of qgemm.c (e.g. one compiled from an earlier commit), alternating in one process.
 
     git show OLD:pdflow/engine/kernels/qgemm.c > /tmp/old.c
@@ -9,7 +9,7 @@ A layer's four products (QKV 960x576, output 576x576, gate/up 3072x576, down 576
 of int4 weights, which stay in the caches: this times the kernels' arithmetic, not memory (the
 decode step, which reads every layer's weights from memory, is `pdflow bench engine`). Prints the
 median over rounds of the best of 30 calls, times 30 layers, and the largest difference between
-the two builds' outputs.
+the two builds' outputs (0 where the new kernel sums in the old one's order).
 """
 
 from __future__ import annotations
@@ -33,20 +33,21 @@ def main() -> int:
     parser.add_argument("other", help="a shared library built from another qgemm.c")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=1, help="rows of x per product (default: %(default)s)")
     opts = parser.parse_args()
     builds = {"this checkout": kernels.library(), opts.other: kernels._declare(ctypes.CDLL(opts.other))}
     if builds["this checkout"] is None:
         raise SystemExit(f"pdflow's kernels are not available: {kernels.unavailable_reason()}")
     torch.manual_seed(0)
     matrices = [registry.load("int4-a16")().pack(torch.randn(n, k)) for n, k in SHAPES]
-    inputs = {k: torch.randn(1, k) for _, k in SHAPES}
+    inputs = {k: torch.randn(opts.rows, k) for _, k in SHAPES}
 
     def layer(lib, outputs: list[torch.Tensor]) -> None:
         for (n, k), packed, y in zip(SHAPES, matrices, outputs):
-            lib.pdflow_q4a16_gemm(inputs[k].data_ptr(), 1, k, packed.q.data_ptr(), packed.scales.data_ptr(),
+            lib.pdflow_q4a16_gemm(inputs[k].data_ptr(), opts.rows, k, packed.q.data_ptr(), packed.scales.data_ptr(),
                                   packed.lows.data_ptr(), n, y.data_ptr(), opts.threads)
 
-    outputs = {name: [torch.empty(1, n) for n, _ in SHAPES] for name in builds}
+    outputs = {name: [torch.empty(opts.rows, n) for n, _ in SHAPES] for name in builds}
     times: dict[str, list[float]] = {name: [] for name in builds}
     for _ in range(opts.rounds):
         for name, lib in builds.items():
@@ -59,7 +60,7 @@ def main() -> int:
     nbytes = LAYERS * sum(p.q.numel() + 8 * p.scales.numel() for p in matrices)
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"{name}: {LAYERS} layers of int4-a16 products, one row: {median * 1e3:.2f} ms "
+        print(f"{name}: {LAYERS} layers of int4-a16 products, {opts.rows} row(s): {median * 1e3:.2f} ms "
               f"({nbytes / median / 1e9:.1f} GB/s of weights, from cache)")
     first, second = times.values()
     print(f"other / this checkout: {statistics.median(second) / statistics.median(first):.2f}x")
