@@ -43,6 +43,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="readable lines (default) or one JSON object per line")
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                      help="the least severe level logged (default: info)")
+    run.add_argument("--host", default=None, metavar="NAME",
+                     help="which of the topology's [hosts] this machine is: start the replicas placed on "
+                     "it (and, on control.on's host, supervise the pipeline). Needed when the topology "
+                     "places replicas on several hosts")
+    run.add_argument("--backend", choices=("process", "ray"), default="process",
+                     help="process (default): replicas are processes of this machine; ray: every replica "
+                     "is an actor of a Ray cluster, on the node offering its host's resource (pip install "
+                     "'pdflow[ray]')")
+    run.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                     help="the Ray cluster to join (default: $RAY_ADDRESS, or the one `ray start` made here, "
+                     "else a cluster of this machine alone)")
     run.add_argument("--api-key", default=None, metavar="KEY",
                      help="HTTP clients must send 'Authorization: Bearer KEY' (default: $PDFLOW_API_KEY, "
                      "else [security] api_key_file/api_key_env, else none). Visible to other users in "
@@ -165,10 +176,15 @@ def _validate(args) -> int:
     sys.stdout.write(f"{topology.path}: valid\n")
     sys.stdout.write(f"  model: {topology.model.source} (served as {topology.model.served_name!r}), "
                      f"{topology.model.weights} weights\n")
+    for host in topology.hosts.values():
+        bind = f", binds {host.bind}" if host.bind else ""
+        supervises = ", supervises (control.on)" if host.name == topology.control.on else ""
+        sys.stdout.write(f"  host {host.name}: {host.address}{bind}{supervises}\n")
     for name, stage in topology.stages.items():
         ports = f"control :{stage.port}" + (f", data :{stage.data_port}" if stage.data_port else "")
         cores = ",".join(map(str, stage.cores)) or "any"
-        sys.stdout.write(f"  {stage.display_name:<11} x{stage.replicas} on {stage.host} ({ports}), "
+        where = ", ".join(dict.fromkeys(p.name for p in stage.placement)) if stage.placement else stage.host
+        sys.stdout.write(f"  {stage.display_name:<11} x{stage.replicas} on {where} ({ports}), "
                          f"cores {cores}, {stage.device}\n")
     engine = topology.engine
     sys.stdout.write(f"  engine: {engine.mode}, kv_streaming {engine.kv_streaming}"
@@ -185,12 +201,26 @@ def _validate(args) -> int:
 def _run(args) -> int:
     import uvloop
 
-    from pdflow.runtime.launcher import Launcher
+    from pdflow.runtime.launcher import HostError, Launcher, this_host
     from pdflow.log import configure_logging
     from pdflow.models import ModelError, resolve
     from pdflow.security import SecretError, pipeline_keys
 
     topology = _load(args.topology)
+    try:
+        if args.backend == "ray":
+            from pdflow.runtime.ray_backend import unavailable
+
+            if args.host is not None:
+                raise HostError("--host is for the process backend; with --backend ray, one `pdflow run` "
+                                "places every replica on the Ray cluster")
+            if problem := unavailable():
+                raise HostError(problem)
+        else:
+            this_host(topology, args.host)
+    except HostError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
     configure_logging(args.log_format, args.log_level, stage="launcher")
     try:
         keys = pipeline_keys(topology, args.api_key or os.environ.get("PDFLOW_API_KEY") or None)
@@ -198,7 +228,12 @@ def _run(args) -> int:
     except (ModelError, SecretError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
-    return uvloop.run(Launcher(topology, model_dir, args.log_format, args.log_level, keys).run())
+    if args.backend == "ray":
+        from pdflow.runtime.ray_backend import connect
+
+        connect(args.ray_address)
+    return uvloop.run(Launcher(topology, model_dir, args.log_format, args.log_level, keys, args.host,
+                               args.backend).run())
 
 
 def main(argv: list[str] | None = None) -> int:

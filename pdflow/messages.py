@@ -14,13 +14,13 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 9  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+PROTOCOL_VERSION = 10  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
 # 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked);
 # 5: tokens straight to ingress, decode's KV destinations in pool slots; 6: KV computed and attended in the
 # store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore); 7: the disk tier (KvExpected.keep_s, PlanWanted,
 # KvForget, heartbeat notes); 8: KV codecs (KvChunkHeader.codec, codec_block: an older receiver would take encoded
 # bytes for KV); 9: KvDestination slots of -1 (blocks a structural codec drops), DecodeRequest.prompt_ids
-# (speculative decoding)
+# (speculative decoding); 10: several hosts (ReplicaExited, from a host's launcher)
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -318,6 +318,16 @@ class StageFailed(Message):
     error: str
 
 
+class ReplicaExited(Message):
+    """a host's launcher -> the supervising launcher (a pipeline on several hosts): the process
+    of a replica on its host exited; it restarts it (or, past ``max_restarts``, gives up)."""
+
+    stage: str
+    replica: int
+    reason: str
+    restarting: bool
+
+
 class StageDown(Message):
     """launcher -> every stage: a replica died; whatever it held is lost."""
 
@@ -409,6 +419,7 @@ ControlMessage = (
     | Ready
     | Heartbeat
     | StageFailed
+    | ReplicaExited
     | StageDown
     | StageUp
     | StageStatus
@@ -416,7 +427,8 @@ ControlMessage = (
 )
 
 ALL_MESSAGES: tuple[type, ...] = ControlMessage.__args__  # type: ignore[attr-defined]
-LAUNCHER_MESSAGES: tuple[type, ...] = (Ready, Heartbeat, StageFailed, ProtocolRefused)  # stage -> launcher
+LAUNCHER_MESSAGES: tuple[type, ...] = (Ready, Heartbeat, StageFailed, ProtocolRefused,  # stage -> launcher
+                                       ReplicaExited)  # a host's launcher -> the supervising one
 INGRESS_ONLY: tuple[type, ...] = (KvForget,)  # not about one request, and taken from ingress only
 
 

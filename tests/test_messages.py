@@ -10,7 +10,7 @@ from pdflow.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Cancel, DecodeRequest, EgressRequest, Heartbeat, Hello,
     KvChunkHeader, KvDestination, KvExpected, KvForget, KvForgotten, KvPlan, KvInPlace, PlanWanted, KvInStore, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
     PrefixDestination,
-    ProtocolMismatch, ProtocolRefused, Ready, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
+    ProtocolMismatch, ProtocolRefused, Ready, ReplicaExited, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
     StageStatus, StageUp, StopRequest, TextDelta, Tokens, check_hello, decoder, encoder,
 )
 
@@ -70,6 +70,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     Heartbeat: [Heartbeat("prefill", 0, 1), Heartbeat("prefill", 2, 999_999, in_flight=5, stats={"hits": 3}),
                 Heartbeat("kv_shuttle", 0, 4, notes={"disk": "off, memory only: No space left on device"})],
     StageFailed: [StageFailed("decode", 1, "Traceback (most recent call last):\n  ...\nRuntimeError: boom")],
+    ReplicaExited: [ReplicaExited("decode", 1, "exited with status 1", True)],
     StageDown: [StageDown("kv_shuttle", 0, "exited with status -9")],
     StageUp: [StageUp("kv_shuttle", 0)],
     StageStatus: [StageStatus("decode", 0, "restarting", 4244, 3, 2),
@@ -215,6 +216,7 @@ def test_field_order_is_pinned() -> None:
                                  "cached_tokens", "token_ids", "draft_proposed", "draft_accepted"]
     assert _names(EgressRequest)[-2:] == ["resume_ids", "resume_chars"]
     assert _names(DecodeRequest) == ["request_id", "prompt_len", "sampling", "route", "prompt_ids"]
+    assert _names(ReplicaExited) == ["stage", "replica", "reason", "restarting"]
 
 
 def test_appended_fields_have_defaults() -> None:

@@ -53,6 +53,7 @@ def check_pipeline(pipeline: Pipeline, written: Callable[[str], bool] = lambda k
                                 f"(by default ingress detokenizes them itself); wire outputs.tokens = {name!r} "
                                 f"on {producers}, or remove the stage")
     _check_links(pipeline, cross_process)
+    _check_hosts(pipeline)
     _check_store_codec(pipeline)
     _check_router(pipeline)
     _check_speculative(pipeline)
@@ -119,6 +120,48 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
         if problem := check_link_options(dict(link.options)):
             raise PipelineError(f"{key}.options", problem)
         _check_codec(pipeline, link, key)
+
+
+def _check_hosts(pipeline: Pipeline) -> None:
+    """Placements that name the pipeline's hosts; across machines, authenticated planes and a
+    secret every host can read, and no link over a transport that stays on one machine."""
+    hosts = pipeline.hosts
+    if pipeline.control.on and pipeline.control.on not in hosts:
+        raise PipelineError("control.on", f"no host named {pipeline.control.on!r}; the hosts are "
+                            f"{', '.join(hosts) or 'none'}")
+    for name, stage in pipeline.stages.items():
+        key = f"stages.{name}.on"
+        if hosts and not stage.placement:
+            raise PipelineError(key, f"the pipeline names its hosts ({', '.join(hosts)}); place stage {name!r} on one")
+        if len(stage.placement) not in (0, 1, stage.replicas):
+            raise PipelineError(key, f"expected one host for every replica or one per replica ({stage.replicas}), "
+                                f"got {len(stage.placement)}")
+        for placed in stage.placement:
+            if hosts.get(placed.name) != placed:
+                raise PipelineError(key, f"host {placed.name!r} is not one of the pipeline's hosts "
+                                    f"({', '.join(hosts) or 'none'})")
+    if not pipeline.multi_host:
+        return
+    security = pipeline.security
+    if not security.authenticate:
+        raise PipelineError("security.authenticate", "the pipeline spans several hosts: its control and data "
+                            "planes cross the network, and pdflow refuses that unauthenticated; remove "
+                            "authenticate = false")
+    if security.secret_file is None and not security.secret_env:
+        raise PipelineError("security", "the pipeline spans several hosts, whose launchers must share one secret: "
+                            'set secret_file = "pipeline.key" (from `pdflow keys new pipeline.key`, copied to every '
+                            'host) or secret_env = "NAME" in [security]')
+    from pdflow.transports import availability, load
+
+    for i, link in enumerate(pipeline.links):
+        if availability(link.transport) is not None or not load(link.transport).shares_memory:
+            continue
+        ends = {pipeline.host_name_of(stage, r) for stage in (link.src, link.dst)
+                for r in range(pipeline.stages[stage].replicas)}
+        if len(ends) > 1:
+            raise PipelineError(f"links[{i}].transport", f"transport {link.transport!r} shares memory on one "
+                                f"machine, but {link.src} and {link.dst} run on hosts {', '.join(sorted(ends))}; "
+                                "use tcp (or ucx, verbs) between hosts")
 
 
 def _made_codec(make, key: str):
@@ -226,12 +269,13 @@ class _Endpoint:
     key: str  # the key that sets it
     offset: int = 0  # port = value of key + offset
     label: str = ""  # what the offset means: "replica 2", "the PUB socket"
+    machine: str = ""  # the pipeline's host it is on ("" in a one-host pipeline)
 
     def describe(self) -> str:
         return self.key if not self.offset else f"{self.key} + {self.offset} ({self.label})"
 
     def overlaps(self, other: _Endpoint) -> bool:
-        if self.port != other.port:
+        if self.port != other.port or self.machine != other.machine:
             return False
         a, b = (_HOST_ALIASES.get(h, h) for h in (self.host, other.host))
         return a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS
@@ -239,16 +283,18 @@ class _Endpoint:
 
 def _endpoints(pipeline: Pipeline) -> list[_Endpoint]:
     server, control = pipeline.server, pipeline.control
+    ingress_on = pipeline.host_name_of("ingress", 0) if "ingress" in pipeline.stages else ""
     found = [
-        _Endpoint(server.host, server.port, "server.port"),
-        _Endpoint(control.host, control.port, "control.port"),
-        _Endpoint(control.host, control.port + 1, "control.port", 1, "the PUB socket"),
+        _Endpoint(server.host, server.port, "server.port", machine=ingress_on),
+        _Endpoint(control.bind or control.host, control.port, "control.port", machine=control.on),
+        _Endpoint(control.bind or control.host, control.port + 1, "control.port", 1, "the PUB socket", control.on),
     ]
     for name, stage in pipeline.stages.items():
         bases = [("port", stage.port)] + ([("data_port", stage.data_port)] if stage.data_port else [])
         for field, base in bases:
             found += [
-                _Endpoint(stage.host, base + i, f"stages.{name}.{field}", i, f"replica {i}")
+                _Endpoint(stage.bind_host_of(i), base + i, f"stages.{name}.{field}", i, f"replica {i}",
+                          pipeline.host_name_of(name, i))
                 for i in range(stage.replicas)
             ]
     return found

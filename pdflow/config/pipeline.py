@@ -102,11 +102,32 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HostConfig:
+    """A machine of a pipeline that spans several (the topology's ``[hosts.NAME]``): ``address``
+    is where the other machines reach it (what its stages advertise), ``bind`` what its sockets
+    bind to (e.g. ``0.0.0.0``; "" = ``address``)."""
+
+    name: str
+    address: str
+    bind: str = ""
+
+    @property
+    def bind_host(self) -> str:
+        return self.bind or self.address
+
+
+@dataclass(frozen=True, slots=True)
 class ControlConfig:
-    """The launcher's endpoints: stages push to a PULL on ``port`` and listen to a PUB on ``port + 1``."""
+    """The launcher's endpoints: stages push to a PULL on ``port`` and listen to a PUB on ``port + 1``.
+
+    ``host``: where stages reach them; ``bind``: what they bind to ("" = ``host``); ``on``: the
+    host (of the topology's ``[hosts]``) whose launcher supervises the pipeline ("" = this
+    machine, in a one-host pipeline)."""
 
     host: str = "127.0.0.1"
     port: int = 5500
+    bind: str = ""
+    on: str = ""
 
     @property
     def pull_address(self) -> str:
@@ -115,6 +136,14 @@ class ControlConfig:
     @property
     def pub_address(self) -> str:
         return f"tcp://{self.host}:{self.port + 1}"
+
+    @property
+    def pull_bind_address(self) -> str:
+        return f"tcp://{self.bind or self.host}:{self.port}"
+
+    @property
+    def pub_bind_address(self) -> str:
+        return f"tcp://{self.bind or self.host}:{self.port + 1}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,13 +284,33 @@ class StageConfig:
     kind: str | type = ""
     outputs: dict[str, str] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    placement: tuple[HostConfig, ...] = ()  # the host of each replica (or one for all); () = ``host``
 
     @property
     def kind_name(self) -> str | type:
         return self.kind or self.name
 
+    def host_of(self, replica: int) -> HostConfig | None:
+        """The machine replica ``replica`` runs on (None: a one-host pipeline's, at ``host``)."""
+        if not self.placement:
+            return None
+        return self.placement[replica if len(self.placement) > 1 else 0]
+
+    def address_of(self, replica: int) -> str:
+        """Where peers reach replica ``replica`` (its control and data endpoints)."""
+        placed = self.host_of(replica)
+        return self.host if placed is None else placed.address
+
+    def bind_host_of(self, replica: int) -> str:
+        """What replica ``replica``'s sockets bind to."""
+        placed = self.host_of(replica)
+        return self.host if placed is None else placed.bind_host
+
     def control_address(self, replica: int) -> str:
-        return f"tcp://{self.host}:{self.port + replica}"
+        return f"tcp://{self.address_of(replica)}:{self.port + replica}"
+
+    def control_bind_address(self, replica: int) -> str:
+        return f"tcp://{self.bind_host_of(replica)}:{self.port + replica}"
 
     def data_port_of(self, replica: int) -> int:
         if self.data_port is None:
@@ -305,6 +354,7 @@ class Pipeline:
     speculative: SpeculativeConfig = SpeculativeConfig()
     kv: KvConfig = KvConfig()
     security: SecurityConfig = SecurityConfig()
+    hosts: dict[str, HostConfig] = field(default_factory=dict)  # several machines: by name; {} = one
     path: Path | None = None  # the topology file it came from (absolute), if any
 
     # --- building in code ----------------------------------------------------------------------
@@ -386,7 +436,7 @@ class Pipeline:
                 port += stage.replicas
             stages[name] = dataclasses.replace(stage, **changes)
         return dataclasses.replace(self, server=dataclasses.replace(self.server, port=base),
-                                   control=ControlConfig(self.control.host, base + 1), stages=stages)
+                                   control=dataclasses.replace(self.control, port=base + 1), stages=stages)
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -400,9 +450,21 @@ class Pipeline:
                 return link
         raise KeyError(f"no data-plane link {src} -> {dst}")
 
-    def replicas(self) -> list[tuple[str, int]]:
-        """Every ``(stage, replica)`` to start, stage by stage in pipeline order."""
-        return [(name, i) for name, stage in self.stages.items() for i in range(stage.replicas)]
+    def replicas(self, host: str | None = None) -> list[tuple[str, int]]:
+        """Every ``(stage, replica)`` to start, stage by stage in pipeline order (on ``host``
+        alone, a name of :attr:`hosts`, when given)."""
+        return [(name, i) for name, stage in self.stages.items() for i in range(stage.replicas)
+                if host is None or self.host_name_of(name, i) == host]
+
+    def host_name_of(self, stage: str, replica: int) -> str:
+        """The name of the host ``stage``'s replica ``replica`` runs on ("" in a one-host pipeline)."""
+        placed = self.stages[stage].host_of(replica)
+        return "" if placed is None else placed.name
+
+    @property
+    def multi_host(self) -> bool:
+        """Whether its replicas run on more than one machine."""
+        return len({self.host_name_of(*r) for r in self.replicas()} | {self.control.on}) > 1
 
     def stage_class(self, name: str) -> type:
         from pdflow.stages import registry

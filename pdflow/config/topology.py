@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from dataclasses import fields
 from pathlib import Path
@@ -31,6 +32,7 @@ from pdflow.config.pipeline import (
     STAGE_NAMES,
     ControlConfig,
     EngineConfig,
+    HostConfig,
     KvConfig,
     Limits,
     LinkConfig,
@@ -51,7 +53,9 @@ from pdflow.config.toml_reader import TableReader, TopologyError, describe, synt
 
 __all__ = ["STAGE_NAMES", "DTYPES", "Limits", "Pipeline", "TopologyError", "load_topology", "parse_topology"]
 
-_STAGE_KEYS = ("kind", "replicas", "host", "port", "data_port", "cores", "device", "outputs", "options")
+_STAGE_KEYS = ("kind", "replicas", "on", "host", "port", "data_port", "cores", "device", "outputs", "options")
+_HOST_NAME = re.compile(r"[A-Za-z0-9_-]+")
+_WILDCARD_ADDRESSES = ("0.0.0.0", "::", "*", "[::]")
 
 
 def load_topology(path: str | Path) -> Pipeline:
@@ -73,22 +77,25 @@ def parse_topology(text: str, path: Path) -> Pipeline:
         raise syntax_error(path, lines, e, text) from None
     r = TableReader(path, lines)
     r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "router", "speculative", "kv", "security",
-                             "stages", "links"))
+                             "hosts", "stages", "links"))
     engine = _engine(r, r.table(raw, "", "engine", ("mode", "kv_streaming", "chunked_prefill_tokens")))
+    hosts = _hosts(r, raw)
+    control = _control(r, raw, hosts)
     stages = _stage_tables(r, raw)
     pipeline = Pipeline(
         path=path.absolute(),
         model=_model(r, r.table(raw, "", "model", ("source", "dtype", "served_name", "weights")), path),
         server=_server(r, r.table(raw, "", "server", [f.name for f in fields(ServerConfig)])),
-        control=ControlConfig(**_endpoint(r, raw, "control", ControlConfig(), max_port=65534)),
+        control=control,
         limits=_limits(r, r.table(raw, "", "limits", [f.name for f in fields(Limits)])),
-        stages=_stages(r, stages, engine.mode),
+        stages=_stages(r, stages, engine.mode, hosts, control.on),
         links=_links(r, raw.get("links", []), engine.mode, path),
         engine=engine,
         router=_router(r, r.table(raw, "", "router", ("policy", "options"))),
         speculative=_speculative(r, r.table(raw, "", "speculative", [f.name for f in fields(SpeculativeConfig)])),
         kv=_kv(r, r.table(raw, "", "kv", [f.name for f in fields(KvConfig)]), path),
         security=_security(r, r.table(raw, "", "security", [f.name for f in fields(SecurityConfig)]), path),
+        hosts=hosts,
     )
     if pipeline.colocated and raw.get("links"):
         raise r.error("links", "a colocated topology has no data-plane links (its worker keeps the KV); "
@@ -155,6 +162,78 @@ def _security(r: TableReader, t: dict[str, Any], topology_path: Path) -> Securit
         api_key_file=files["api_key_file"], api_key_env=r.string(t, "security", "api_key_env", d.api_key_env),
         authenticate=r.boolean(t, "security", "authenticate", d.authenticate),
     )
+
+
+def _hosts(r: TableReader, raw: dict[str, Any]) -> dict[str, HostConfig]:
+    """``[hosts.NAME]`` tables: the machines of a pipeline that spans several."""
+    tables = raw.get("hosts", {})
+    if not isinstance(tables, dict):
+        raise r.error("hosts", f"expected a table of hosts ([hosts.NAME] with address = ...), got {describe(tables)}")
+    hosts = {}
+    for name in tables:
+        key = f"hosts.{name}"
+        if not _HOST_NAME.fullmatch(name):
+            raise r.error(key, f"a host's name is letters, digits, '-' and '_' (it is what `pdflow run --host` "
+                          f"takes), got {name!r}")
+        t = r.table(tables, "hosts", name, ("address", "bind"))
+        if "address" not in t:
+            raise r.error(key, f"missing key 'address': where the other machines reach host {name!r} "
+                          '(e.g. address = "10.0.0.2")')
+        address = r.string(t, key, "address", "", non_empty=True)
+        if address in _WILDCARD_ADDRESSES:
+            raise r.error(f"{key}.address", f"{address!r} is not an address other machines can reach; put the "
+                          f"routable address here and {address!r} in {key}.bind")
+        hosts[name] = HostConfig(name, address, r.string(t, key, "bind", "", non_empty="bind" in t))
+    return hosts
+
+
+def _control(r: TableReader, raw: dict[str, Any], hosts: dict[str, HostConfig]) -> ControlConfig:
+    """``[control]``: where the supervising launcher listens; with ``[hosts]``, on the host ``on``
+    names (the first host by default), at that host's address."""
+    t = r.table(raw, "", "control", ("host", "port", "on"))
+    default = ControlConfig()
+    port = r.integer(t, "control", "port", default.port, ge=1, le=65534)
+    if not hosts:
+        if "on" in t:
+            raise r.error("control.on", "control.on names a host, but this topology has no [hosts] tables")
+        return ControlConfig(r.string(t, "control", "host", default.host, non_empty=True), port)
+    if "host" in t:
+        raise r.error("control.host", "with [hosts], the launcher's address is its host's: set control.on to "
+                      "the host's name instead")
+    on = r.string(t, "control", "on", next(iter(hosts)), non_empty=True)
+    placed = _host_named(r, "control.on", on, hosts)
+    return ControlConfig(placed.address, port, placed.bind, on)
+
+
+def _host_named(r: TableReader, key: str, name: str, hosts: dict[str, HostConfig]) -> HostConfig:
+    if name not in hosts:
+        close = difflib.get_close_matches(name, list(hosts), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise r.error(key, f"no host named {name!r}; {hint}the hosts are {', '.join(hosts)}")
+    return hosts[name]
+
+
+def _placement(r: TableReader, prefix: str, t: dict[str, Any], replicas: int, hosts: dict[str, HostConfig],
+               default: str) -> tuple[HostConfig, ...]:
+    """A stage's ``on``: one host's name (every replica there) or one per replica."""
+    if not hosts:
+        if "on" in t:
+            raise r.error(f"{prefix}.on", f"{prefix}.on names a host, but this topology has no [hosts] tables "
+                          '(add [hosts.NAME] with address = ... for each machine)')
+        return ()
+    if "host" in t:
+        raise r.error(f"{prefix}.host", f"with [hosts], a stage's address is its host's: remove {prefix}.host and "
+                      f"place it with {prefix}.on (the address is [hosts.NAME] address, bind)")
+    value = t.get("on", default)
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names:
+        raise r.error(f"{prefix}.on", f"expected a host's name or an array of one per replica, got {describe(value)}")
+    if len(names) not in (1, replicas):
+        raise r.error(f"{prefix}.on", f"expected one host for every replica or one per replica ({replicas}), "
+                      f"got {len(names)}")
+    return tuple(_host_named(r, f"{prefix}.on" + (f"[{i}]" if isinstance(value, list) else ""),
+                             r.string({"on": n}, prefix, "on", "", non_empty=True), hosts)
+                 for i, n in enumerate(names))
 
 
 def _endpoint(r: TableReader, raw: dict[str, Any], name: str, default: Any, max_port: int = 65535) -> dict:
@@ -250,9 +329,11 @@ def _stage_tables(r: TableReader, raw: dict[str, Any]) -> dict[str, Any]:
     return stages
 
 
-def _stages(r: TableReader, tables: dict[str, Any], mode: str) -> dict[str, StageConfig]:
+def _stages(r: TableReader, tables: dict[str, Any], mode: str, hosts: dict[str, HostConfig],
+            control_on: str) -> dict[str, StageConfig]:
     """The mode's built-in stages (each from its table, or defaults), then every other stage in
-    file order; a stage of another kind names it with ``kind``."""
+    file order; a stage of another kind names it with ``kind``. With ``[hosts]``, a stage
+    without ``on`` runs on the launcher's host (``control.on``)."""
     wanted = MODES[mode]
     for name in tables:
         if name in DEFAULT_PORTS and name not in wanted and name not in OPTIONAL_STAGE_NAMES:
@@ -260,17 +341,18 @@ def _stages(r: TableReader, tables: dict[str, Any], mode: str) -> dict[str, Stag
                           f"{', '.join(wanted)} (engine.mode picks the set), and optionally "
                           f"{', '.join(OPTIONAL_STAGE_NAMES)}")
     optional = [name for name in OPTIONAL_STAGE_NAMES if name in tables]
-    stages = {name: _stage(r, name, r.table(tables, "stages", name, _STAGE_KEYS), mode)
+    place = (hosts, control_on)
+    stages = {name: _stage(r, name, r.table(tables, "stages", name, _STAGE_KEYS), mode, place)
               for name in (*wanted, *optional)}
     if "egress" in stages:  # an egress stage detokenizes instead of ingress
         stages = route_tokens_through(stages, mode, "egress")
     for name in tables:
         if name not in stages:
-            stages[name] = _stage(r, name, r.table(tables, "stages", name, _STAGE_KEYS), mode, stages)
+            stages[name] = _stage(r, name, r.table(tables, "stages", name, _STAGE_KEYS), mode, place, stages)
     return stages
 
 
-def _stage(r: TableReader, name: str, t: dict[str, Any], mode: str,
+def _stage(r: TableReader, name: str, t: dict[str, Any], mode: str, place: tuple[dict[str, HostConfig], str],
            earlier: dict[str, StageConfig] | None = None) -> StageConfig:
     prefix = f"stages.{name}"
     builtin = earlier is None
@@ -282,8 +364,10 @@ def _stage(r: TableReader, name: str, t: dict[str, Any], mode: str,
     if "data_port" in t and builtin and name not in DEFAULT_DATA_PORTS:
         raise r.error(f"{prefix}.data_port",
                       f"only {', '.join(DEFAULT_DATA_PORTS)} receive KV data; remove data_port from [{prefix}]")
+    replicas = r.integer(t, prefix, "replicas", 1, ge=1)
     config: dict[str, Any] = {
-        "replicas": r.integer(t, prefix, "replicas", 1, ge=1),
+        "replicas": replicas,
+        "placement": _placement(r, prefix, t, replicas, *place),
         "host": r.string(t, prefix, "host", "127.0.0.1", non_empty=True),
         "cores": _cores(r, f"{prefix}.cores", t.get("cores", [])),
         "device": r.string(t, prefix, "device", "cpu"),

@@ -212,7 +212,7 @@ class ZmqBus(Bus):
         if self.keys is not None:
             self.authenticator = PipelineAuthenticator(self.ctx, self.keys)
             self.authenticator.start()
-        address = self.pipeline.stages[self.stage].control_address(self.replica)
+        address = self.pipeline.stages[self.stage].control_bind_address(self.replica)
         self.inbox = make_socket(self.ctx, zmq.PULL, bind=address, secure=server_security(self.keys))
         control = self.pipeline.control
         to_launcher = client_security(self.keys, LAUNCHER)

@@ -6,6 +6,15 @@ Supervision: a replica is dead when its process exits or when no heartbeat came 
 migrates (or fails) the requests that replica held; the replica is restarted (up to
 ``max_restarts`` times) and ``StageUp`` follows when it is ready again.
 
+Several hosts (the topology's ``[hosts]``): ``pdflow run topology.toml --host NAME`` on each
+machine starts the replicas placed there. The launcher on ``control.on``'s host supervises the
+pipeline as above, for every replica: each one, wherever it runs, reports to its endpoints. A
+host's own launcher starts, restarts and stops its replicas (only it can), tells the supervising
+one when one of their processes exits (:class:`~pdflow.messages.ReplicaExited`), and kills one
+that the supervisor declared dead for its silence. A host that goes away altogether is seen as
+its replicas' silence: they are announced down, their requests migrate, and they are back when
+they say Ready again.
+
 The launcher holds the pipeline's keys (:mod:`pdflow.security`) and hands each replica its own
 through the spawn pipe. What arrives on its PULL is taken only from the replica it says it is
 from (as CURVE proved it); anything else, or anything that does not decode, is dropped and counted.
@@ -33,6 +42,7 @@ from pdflow.messages import (
     ProtocolMismatch,
     ProtocolRefused,
     Ready,
+    ReplicaExited,
     StageDown,
     StageFailed,
     StageStatus,
@@ -42,6 +52,7 @@ from pdflow.runtime.bus import (
     FROM_LAUNCHER,
     DropCounter,
     Framing,
+    client_security,
     launcher_framing,
     make_socket,
     sender_identity,
@@ -50,7 +61,7 @@ from pdflow.runtime.bus import (
 from pdflow.runtime.process import StageLaunch
 from pdflow.runtime.process import main as stage_main
 from pdflow.security.curve import PipelineAuthenticator
-from pdflow.security.keys import PipelineKeys, pipeline_keys
+from pdflow.security.keys import LAUNCHER, PipelineKeys, pipeline_keys
 
 log = structlog.get_logger()
 _TICK_S = 0.1
@@ -61,8 +72,12 @@ _STATUS_EVERY_S = 1.0
 class _Replica:
     stage: str
     replica: int
+    local: bool = True  # its process is this launcher's (else another host's launcher runs it)
+    host: str = ""  # the pipeline's host it runs on ("" in a one-host pipeline)
     process: multiprocessing.process.BaseProcess | None = None
+    pid: int = 0  # as its Ready said
     ready: bool = False
+    down: bool = False  # announced down (StageDown), not back yet (StageUp)
     last_seen: float = 0.0
     restarts: int = 0
     restart_at: float | None = None
@@ -93,15 +108,60 @@ def ephemeral_port_range() -> tuple[int, int]:
 OPENMP_SPIN = ("GOMP_SPINCOUNT", "300000")
 
 
+class HostError(ValueError):
+    """``--host`` does not fit the topology (no such host, or one needed and not given)."""
+
+
+def this_host(topology: Pipeline, host: str | None) -> str:
+    """The name of the machine a launcher runs on: ``host`` (``--host``), checked, or the only one
+    a pipeline uses; "" in a one-host pipeline without ``[hosts]``."""
+    hosts = topology.hosts
+    if not hosts:
+        if host:
+            raise HostError(f"--host {host}: the topology has no [hosts] tables, so it runs on this machine alone")
+        return ""
+    if host is None:
+        if topology.multi_host:
+            used = sorted({topology.host_name_of(*r) for r in topology.replicas()} | {topology.control.on})
+            raise HostError(f"the topology places replicas on hosts {', '.join(used)}: start each with "
+                            "`pdflow run TOPOLOGY --host NAME` on that machine")
+        return topology.control.on
+    if host not in hosts:
+        raise HostError(f"--host {host}: no such host in the topology; its hosts are {', '.join(hosts)}")
+    if host != topology.control.on and not topology.replicas(host):
+        raise HostError(f"--host {host}: the topology places no replica there, and the launcher that supervises "
+                        f"runs on {topology.control.on} (control.on)")
+    return host
+
+
+BACKENDS = ("process", "ray")
+
+
 class Launcher:
+    """``backend``: "process" (replicas are processes of this machine: those ``host`` names, or
+    all in a one-host pipeline) or "ray" (every replica is a Ray actor on the node its host
+    names: :mod:`pdflow.runtime.ray_backend`; this launcher supervises them all)."""
+
     def __init__(self, topology: Pipeline, model_dir: Path, log_format: str = "console", log_level: str = "info",
-                 keys: PipelineKeys | None = None):
+                 keys: PipelineKeys | None = None, host: str | None = None, backend: str = "process"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.topology, self.model_dir = topology, model_dir
         self.keys = keys if keys is not None else pipeline_keys(topology)
         self.authenticate = topology.security.authenticate
         self.log_format, self.log_level = log_format, log_level
         self.mp = multiprocessing.get_context("spawn")
-        self.replicas = {key: _Replica(*key) for key in topology.replicas()}
+        self.backend = backend
+        if backend == "ray":
+            if host is not None:
+                raise HostError("--host is for the process backend; with Ray, the driver places every replica")
+            self.host = topology.control.on
+        else:
+            self.host = this_host(topology, host)
+        self.supervising = self.host == topology.control.on  # "" == "" on one host
+        watched = topology.replicas() if self.supervising else topology.replicas(self.host)
+        mine = (lambda key: True) if backend == "ray" else (lambda key: topology.host_name_of(*key) == self.host)
+        self.replicas = {key: _Replica(*key, local=mine(key), host=topology.host_name_of(*key)) for key in watched}
         self.stop_requested = asyncio.Event()
         self.fatal: str | None = None  # why the pipeline cannot run (a protocol mismatch): stop now
         self._encode = Framing(FROM_LAUNCHER).encode
@@ -112,11 +172,20 @@ class Launcher:
     def _name(self, rep: _Replica) -> str:
         return f"{self.topology.stages[rep.stage].display_name}-{rep.replica}"
 
+    @property
+    def local(self) -> list[_Replica]:
+        return [rep for rep in self.replicas.values() if rep.local]
+
     def _start(self, rep: _Replica) -> None:
         launch = StageLaunch(self.topology, rep.stage, rep.replica, str(self.model_dir),
                              self.log_format, self.log_level, self.keys.for_replica(rep.stage, rep.replica))
-        rep.process = self.mp.Process(target=stage_main, args=(launch,), name=self._name(rep), daemon=True)
         os.environ.setdefault(*OPENMP_SPIN)  # the stage inherits it, and its libgomp reads it at load
+        if self.backend == "ray":
+            from pdflow.runtime.ray_backend import RayReplica
+
+            rep.process = RayReplica(launch, self._name(rep), rep.host)
+        else:
+            rep.process = self.mp.Process(target=stage_main, args=(launch,), name=self._name(rep), daemon=True)
         rep.process.start()
         rep.ready, rep.restart_at = False, None
         rep.started_at = rep.last_seen = time.monotonic()
@@ -126,10 +195,9 @@ class Launcher:
         """A stage port inside the kernel's ephemeral range can be taken, while the stage is down,
         by a peer's reconnecting socket (TCP self-connect), and the restart then cannot bind it."""
         low, high = ephemeral_port_range()
-        ports = [(f"stages.{name}.port", stage.port + i) for name, stage in self.topology.stages.items()
-                 for i in range(stage.replicas)]
-        ports += [(f"stages.{name}.data_port", stage.data_port + i) for name, stage in self.topology.stages.items()
-                  if stage.data_port is not None for i in range(stage.replicas)]
+        ports = [(f"stages.{rep.stage}.port", self.topology.stages[rep.stage].port + rep.replica) for rep in self.local]
+        ports += [(f"stages.{rep.stage}.data_port", self.topology.stages[rep.stage].data_port + rep.replica)
+                  for rep in self.local if self.topology.stages[rep.stage].data_port is not None]
         risky = [key for key, port in ports if low <= port <= high]
         if risky:
             log.warning("ports.ephemeral", keys=risky, range=f"{low}-{high}",
@@ -141,17 +209,23 @@ class Launcher:
         control = self.topology.control
         own = self.keys.launcher() if self.authenticate else None
         authenticator = None
-        if own is not None:
+        if own is not None and self.supervising:
             authenticator = PipelineAuthenticator(ctx, own)
             authenticator.start()
-        self.pull = make_socket(ctx, zmq.PULL, bind=control.pull_address, secure=server_security(own))
-        self.pub = make_socket(ctx, zmq.PUB, bind=control.pub_address, secure=server_security(own))
+        if self.supervising:
+            self.pull = make_socket(ctx, zmq.PULL, bind=control.pull_bind_address, secure=server_security(own))
+            self.pub = make_socket(ctx, zmq.PUB, bind=control.pub_bind_address, secure=server_security(own))
+        else:  # a host's launcher: hears the supervisor, tells it when a process exits
+            self.sub = make_socket(ctx, zmq.SUB, connect=control.pub_address, secure=client_security(own, LAUNCHER))
+            self.push = make_socket(ctx, zmq.PUSH, connect=control.pull_address, secure=client_security(own, LAUNCHER))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop_requested.set)
         try:
-            for rep in self.replicas.values():
+            for rep in self.local:
                 self._start(rep)
+            if not self.supervising:
+                return await self._run_host()
             status = await self._supervise() if await self._wait_ready() else 1
             if self.fatal:
                 sys.stderr.write(f"pdflow: {self.fatal}\n")
@@ -181,7 +255,8 @@ class Launcher:
             except Exception as exc:  # whatever hostile bytes make msgspec raise: this frame only
                 self.malformed.drop(bytes=len(frame), error=str(exc)[:200])
                 continue
-            if sender is not None and sender != (message.stage, message.replica):
+            claimed = (LAUNCHER, 0) if isinstance(message, ReplicaExited) else (message.stage, message.replica)
+            if sender is not None and sender != claimed:
                 self.forged.drop(message=type(message).__name__, sender=sender,
                                  claimed=(message.stage, message.replica))
                 continue
@@ -210,6 +285,10 @@ class Launcher:
         rep = self.replicas.get((message.stage, message.replica))
         if rep is None:
             return
+        if isinstance(message, ReplicaExited):
+            if not rep.local:
+                await self._remote_exit(rep, message)
+            return
         rep.last_seen = time.monotonic()
         if isinstance(message, Heartbeat):
             rep.in_flight = message.in_flight
@@ -222,11 +301,13 @@ class Launcher:
             if message.protocol_version != PROTOCOL_VERSION:
                 self._mismatch(self._name(rep), message.protocol_version)
                 return
-            was_restart = rep.restarts > 0
-            rep.ready = True
+            if rep.ready and not rep.local and message.pid != rep.pid:  # restarted there before it was missed
+                await self._announce_down(rep, f"restarted on host {rep.host} (pid {rep.pid} -> {message.pid})")
+            rep.ready, rep.pid = True, message.pid
             log.info("stage.ready", stage=self._name(rep), pid=message.pid,
-                     seconds=round(time.monotonic() - rep.started_at, 2))
-            if was_restart:
+                     seconds=round(time.monotonic() - rep.started_at, 2), **({"host": rep.host} if rep.host else {}))
+            if rep.down:
+                rep.down = False
                 await self.pub.send(self._encode(StageUp(rep.stage, rep.replica)))
                 self._print_status(f"{self._name(rep)} is back")
         elif isinstance(message, StageFailed):
@@ -239,13 +320,14 @@ class Launcher:
             if all(rep.ready for rep in self.replicas.values()):
                 self._print_status("ready")
                 return True
-            dead = [rep for rep in self.replicas.values() if not rep.process.is_alive()]
+            dead = [rep for rep in self.local if not rep.process.is_alive()]
             if dead:
                 for rep in dead:
                     log.error("stage.start_failed", stage=self._name(rep), exitcode=rep.process.exitcode,
                               hint="its traceback is above")
                 return False
-        missing = ", ".join(self._name(r) for r in self.replicas.values() if not r.ready)
+        missing = ", ".join(self._name(r) + (f" (on host {r.host})" if not r.local else "")
+                            for r in self.replicas.values() if not r.ready)
         if not self.stop_requested.is_set():
             log.error("launcher.ready_timeout", not_ready=missing,
                       timeout_s=self.topology.limits.ready_timeout_s,
@@ -264,6 +346,11 @@ class Launcher:
                 await self._publish_status()
                 next_status = now + _STATUS_EVERY_S
             for rep in self.replicas.values():
+                if not rep.local:  # its host's launcher restarts it; here only its silence tells
+                    if rep.ready and now - rep.last_seen > limits.heartbeat_timeout_s:
+                        await self._announce_down(rep, f"no heartbeat for {now - rep.last_seen:.1f} s "
+                                                  f"(host {rep.host})")
+                    continue
                 if rep.restart_at is not None:
                     if now >= rep.restart_at:
                         self._start(rep)
@@ -283,11 +370,11 @@ class Launcher:
         return 0
 
     def _state(self, rep: _Replica) -> str:
-        return "ready" if rep.ready else ("restarting" if rep.restart_at else "starting")
+        return "ready" if rep.ready else ("restarting" if rep.restart_at or rep.down else "starting")
 
     async def _publish_status(self) -> None:
         for rep in self.replicas.values():
-            pid = rep.process.pid if rep.process else 0
+            pid = rep.process.pid if rep.process else rep.pid
             status = StageStatus(rep.stage, rep.replica, self._state(rep), pid, rep.in_flight, rep.restarts,
                                  rep.stats, rep.notes)
             await self.pub.send(self._encode(status))
@@ -298,11 +385,26 @@ class Launcher:
             return f"killed by {signal.Signals(-exitcode).name}"
         return f"exited with status {exitcode}"
 
+    async def _announce_down(self, rep: _Replica, reason: str) -> None:
+        """Every stage hears that ``rep`` is dead (ingress migrates what it held)."""
+        log.error("stage.died", stage=self._name(rep), reason=reason, restarts=rep.restarts)
+        rep.ready, rep.down = False, True
+        await self.pub.send(self._encode(StageDown(rep.stage, rep.replica, reason)))
+
+    async def _remote_exit(self, rep: _Replica, message: ReplicaExited) -> None:
+        """Another host's launcher saw ``rep``'s process exit (and restarts it, or gave up)."""
+        if rep.ready or not rep.down:
+            await self._announce_down(rep, f"{message.reason} on host {rep.host}")
+        if message.restarting:
+            rep.restarts += 1
+            self._print_status(f"{self._name(rep)} died on host {rep.host} ({message.reason}); its host restarts it")
+        else:
+            log.error("stage.gave_up", stage=self._name(rep), host=rep.host,
+                      hint=f"host {rep.host}'s launcher reached limits.max_restarts and stopped its replicas")
+
     async def _on_death(self, rep: _Replica, reason: str) -> bool:
         name = self._name(rep)
-        log.error("stage.died", stage=name, reason=reason, restarts=rep.restarts)
-        rep.ready = False
-        await self.pub.send(self._encode(StageDown(rep.stage, rep.replica, reason)))
+        await self._announce_down(rep, reason)
         if rep.restarts >= self.topology.limits.max_restarts:
             log.error("stage.gave_up", stage=name, restarts=rep.restarts,
                       hint="limits.max_restarts reached; stopping every stage")
@@ -313,13 +415,65 @@ class Launcher:
         self._print_status(f"{name} died ({reason}); restarting in {delay:.1f} s")
         return True
 
+    # --- a host's launcher (several hosts) ------------------------------------------------
+
+    async def _run_host(self) -> int:
+        """Keep this host's replicas running: restart what exits (telling the supervisor), kill
+        what the supervisor declared dead for its silence, until stopped or past max_restarts."""
+        limits = self.topology.limits
+        framing = Framing(FROM_LAUNCHER)
+        announced = False
+        while not self.stop_requested.is_set():
+            if await self.sub.poll(_TICK_S * 1000):
+                try:
+                    message = framing.decode(await self.sub.recv())
+                except Exception as exc:  # another version, or junk: this frame only
+                    self.malformed.drop(error=str(exc)[:200])
+                    continue
+                rep = self.replicas.get((message.stage, message.replica))
+                if rep is None:
+                    continue
+                if isinstance(message, StageStatus):
+                    rep.ready = message.state == "ready" and message.pid == (rep.process.pid if rep.process else 0)
+                elif isinstance(message, StageDown) and message.reason.startswith("no heartbeat"):
+                    if rep.process is not None and rep.process.is_alive() and \
+                            time.monotonic() - rep.started_at > limits.heartbeat_timeout_s:
+                        log.error("stage.silent", stage=self._name(rep), hint="the supervisor heard nothing from it; "
+                                  "killing it to restart it")
+                        rep.process.kill()
+            if not announced and all(rep.ready for rep in self.replicas.values()):
+                announced = True
+                self._print_status(f"host {self.host} ready")
+            now = time.monotonic()
+            for rep in self.replicas.values():
+                if rep.restart_at is not None:
+                    if now >= rep.restart_at:
+                        self._start(rep)
+                    continue
+                if rep.process.is_alive():
+                    continue
+                reason = self._exit_reason(rep.process.exitcode)
+                restarting = rep.restarts < limits.max_restarts
+                log.error("stage.died", stage=self._name(rep), reason=reason, restarts=rep.restarts)
+                await self.push.send(launcher_framing().encode(ReplicaExited(rep.stage, rep.replica, reason, restarting)))
+                rep.ready = False
+                if not restarting:
+                    log.error("stage.gave_up", stage=self._name(rep), restarts=rep.restarts,
+                              hint="limits.max_restarts reached; stopping this host's stages")
+                    return 1
+                delay = min(0.5 * 2**rep.restarts, 5.0)
+                rep.restarts += 1
+                rep.restart_at = now + delay
+                self._print_status(f"{self._name(rep)} died ({reason}); restarting in {delay:.1f} s")
+        return 0
+
     # --- stopping -------------------------------------------------------------------------
 
     async def _stop_all(self) -> None:
         """Ingress first (it drains in-flight requests), then the rest; kill what lingers."""
         grace = self.topology.limits.shutdown_grace_s
-        ingress = [r for r in self.replicas.values() if r.stage == "ingress"]
-        others = [r for r in self.replicas.values() if r.stage != "ingress"]
+        ingress = [r for r in self.local if r.stage == "ingress"]
+        others = [r for r in self.local if r.stage != "ingress"]
         await self._terminate(ingress, grace + 2.0)
         await self._terminate(others, 1.5)
         log.info("launcher.stopped")
@@ -339,25 +493,32 @@ class Launcher:
 
     def _print_status(self, headline: str) -> None:
         server = self.topology.server
-        lines = [f"pdflow: {headline} — API at http://{server.host}:{server.port}/v1",
-                 f"  {'stage':<14}{'pid':>8}  {'cores':<10}{'device':<8}{'state':<10}{'restarts':>8}"]
+        where = self.topology.stages["ingress"].address_of(0) if server.host in ("0.0.0.0", "::") else server.host
+        hosts = bool(self.topology.hosts)
+        lines = [f"pdflow: {headline} — API at http://{where}:{server.port}/v1",
+                 f"  {'stage':<14}" + (f"{'host':<12}" if hosts else "")
+                 + f"{'pid':>8}  {'cores':<10}{'device':<8}{'state':<10}{'restarts':>8}"]
         for rep in self.replicas.values():
             cfg = self.topology.stages[rep.stage]
-            pid = rep.process.pid if rep.process else "-"
+            pid = rep.process.pid if rep.process else (rep.pid or "-")
             state = self._state(rep)
             cores = ",".join(map(str, cfg.cores)) or "any"
-            lines.append(f"  {self._name(rep):<14}{pid:>8}  {cores:<10}{cfg.device:<8}{state:<10}{rep.restarts:>8}")
+            lines.append(f"  {self._name(rep):<14}" + (f"{rep.host:<12}" if hosts else "")
+                         + f"{pid:>8}  {cores:<10}{cfg.device:<8}{state:<10}{rep.restarts:>8}")
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
 
 
 def run(pipeline: Pipeline, *, log_format: str = "console", log_level: str = "info",
-        api_key: str | None = None) -> int:
+        api_key: str | None = None, host: str | None = None, backend: str = "process",
+        ray_address: str | None = None) -> int:
     """Run ``pipeline`` as processes (one per stage replica) until SIGINT/SIGTERM; the exit status.
 
     What ``pdflow run topology.toml`` does, for a pipeline built in code. The pipeline is checked
     first (PipelineError), its secret and API key read (SecretError), and the model is pulled on
-    first use. ``api_key``: the key HTTP clients must send (else the topology's, if any).
+    first use. ``api_key``: the key HTTP clients must send (else the topology's, if any);
+    ``host``: which of the pipeline's hosts this machine is (``pdflow run --host``; HostError);
+    ``backend``: "process", or "ray" (replicas as actors of the Ray cluster at ``ray_address``).
     """
     import uvloop
 
@@ -365,7 +526,13 @@ def run(pipeline: Pipeline, *, log_format: str = "console", log_level: str = "in
     from pdflow.models import resolve
 
     pipeline.check()
+    if backend == "process":
+        this_host(pipeline, host)
     configure_logging(log_format, log_level, stage="launcher")
     keys = pipeline_keys(pipeline, api_key)
     model_dir = resolve(str(pipeline.model.path or pipeline.model.source), progress=sys.stderr.isatty())
-    return uvloop.run(Launcher(pipeline, model_dir, log_format, log_level, keys).run())
+    if backend == "ray":
+        from pdflow.runtime.ray_backend import connect
+
+        connect(ray_address)
+    return uvloop.run(Launcher(pipeline, model_dir, log_format, log_level, keys, host, backend).run())

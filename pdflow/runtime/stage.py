@@ -210,7 +210,7 @@ class Stage:
         from pdflow.kv.coded import CodedTransport
 
         link = self.pipeline.link(self.ctx.stage, self.output(output))
-        transport = transports.create(link.transport, host=self.config.host, **link.options)
+        transport = transports.create(link.transport, host=self.config.bind_host_of(self.replica), **link.options)
         transport.authenticate(self.data_key)
         return CodedTransport(transport, link.make_codec(), self.pipeline.kv.block_tokens)
 
@@ -222,8 +222,10 @@ class Stage:
         from pdflow.kv.coded import CodedTransport
 
         link = self.pipeline.link(self.output(output), self.ctx.stage)
-        transport = transports.create(link.transport, host=self.config.host,
+        transport = transports.create(link.transport, host=self.config.bind_host_of(self.replica),
                                       port=self.config.data_port_of(self.replica), **link.options)
+        if self.config.address_of(self.replica) != self.config.bind_host_of(self.replica):
+            transport.advertise(self.config.address_of(self.replica))  # it binds 0.0.0.0, say
         transport.authenticate(self.data_key)
         return CodedTransport(transport)
 

@@ -498,8 +498,30 @@ async def check_peer_memory(h: Harness) -> None:
         assert await _wait(sender.peer_memory(receiver.address_for(2), 2)) is None
 
 
+async def check_advertised_address(h: Harness) -> None:
+    """A receiver that binds every address (``0.0.0.0``) and advertises one peers can reach
+    (:meth:`Transport.advertise`) names that one in its address, where a sender's chunk lands;
+    a transport whose addresses name no network host (shm's a segment, inproc's a receiver in
+    this process) keeps its own."""
+    async with h.make(host="0.0.0.0") as receiver, h.make() as sender:
+        receiver.advertise("127.0.0.1")
+        await receiver.start()
+        address = receiver.address
+        parts = urlsplit(address)
+        if receiver.cross_process and parts.hostname is not None and parts.port is not None:  # a network address
+            assert parts.hostname == "127.0.0.1", f"advertised 127.0.0.1, the address says {address!r}"
+        assert receiver.address_for(0) == address
+        buffer, data = guarded(100), _rng.randbytes(100)
+        receiver.register(0, buffer)
+        chunk = header(0, GUARD, data)
+        await _wait(sender.write(address, chunk, data))
+        await _notice_ok(receiver, chunk)
+        assert buffer[GUARD : GUARD + 100] == data
+
+
 CHECKS = (
     check_sizes,
+    check_advertised_address,
     check_buffers,
     check_many_in_flight,
     check_bad_chunks,

@@ -68,6 +68,7 @@ class Transport(ABC):
         self._notices: asyncio.Queue[Any] = asyncio.Queue()
         self._closed = False
         self._address: str | None = None  # set by start()
+        self.advertised_host: str | None = None  # see advertise()
         self._routes: dict[str, Route] = {}  # sender: by peer
         self._encoder = msgspec.msgpack.Encoder()  # chunk headers travel as msgpack
         self._decoder = msgspec.msgpack.Decoder(KvChunkHeader)
@@ -94,12 +95,18 @@ class Transport(ABC):
         Raises OSError when the address is taken.
         """
 
+    def advertise(self, host: str) -> None:
+        """Peers reach this transport at ``host``, not at the address it binds (``0.0.0.0``, or
+        an address behind a NAT): :attr:`address` names ``host``. Addresses without a host and
+        port (``shm://@name``) are left as they are."""
+        self.advertised_host = host
+
     @property
     def address(self) -> str:
         """What a peer passes to :meth:`write`, e.g. ``tcp://127.0.0.1:5601``; valid after start()."""
         if self._address is None:
             raise TransportError(f"{self.name} transport not started: call start() first")
-        return self._address
+        return self._address if self.advertised_host is None else with_host(self._address, self.advertised_host)
 
     def register(self, region: int, buffer: Any) -> None:
         """Make ``buffer`` (writable, contiguous: bytearray, memoryview, numpy array, CPU torch
@@ -310,3 +317,18 @@ class Transport(ABC):
             self._post(ChunkNotice(header, span, time.monotonic()))
         else:
             self._post(self._regions.landed(header, span, digest))
+
+
+def with_host(address: str, host: str) -> str:
+    """``scheme://old:port`` as ``scheme://host:port`` (IPv6 in brackets); other addresses as they are."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.scheme or not parts.hostname or port is None:
+        return address
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{parts.scheme}://{shown}:{port}{parts.path}"

@@ -41,6 +41,9 @@ class DelegatingTransport(Transport):
     def authenticate(self, key: bytes | None) -> None:
         self.inner.authenticate(key)
 
+    def advertise(self, host: str) -> None:
+        self.inner.advertise(host)
+
     async def start(self) -> None:
         await self.inner.start()
 

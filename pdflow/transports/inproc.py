@@ -59,6 +59,9 @@ class InProcTransport(Transport):
     def _at(self, port: int) -> str:
         return f"inproc://{self.host}:{port}"
 
+    def advertise(self, host: str) -> None:
+        """Nothing to do: an inproc address names a receiver in this process, not a host."""
+
     async def write(self, address: str, header: KvChunkHeader, data: Any) -> None:
         """As :meth:`Transport.write`, with no link: the receiver is in this process."""
         payload = self._payload(header, data)

@@ -1,0 +1,177 @@
+"""End to end on a Ray cluster: `pdflow run topology.toml --backend ray` against a real
+three-node Ray cluster on this machine (ray.cluster_utils.Cluster: a head and two more nodes,
+each a raylet of its own offering a custom resource named after a topology host). Every replica is
+a Ray actor on the node its host names; the pipeline answers what the engine answers in-process;
+a stage process killed on its node is restarted through Ray (a new actor, on the same host's
+node). Skipped where Ray is not installed (pip install 'pdflow[ray]').
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray backend's tests need Ray (pip install 'pdflow[ray]')")
+
+from pdflow.testing.server import SECRET_ENV, free_port_base  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = "What is the capital of France?"
+PLACEMENT = {"ingress": "head", "prefill": "prefill-node", "kv_shuttle": "prefill-node", "decode": "decode-node"}
+PLACED = sorted([("ingress-0", "head"), ("prefill-0", "prefill-node"), ("kv-shuttle-0", "prefill-node"),
+                 ("decode-0", "decode-node")])
+
+
+def topology(base: int) -> str:
+    hosts = "\n".join(f'[hosts.{name}]\naddress = "127.0.0.1"\n' for name in dict.fromkeys(PLACEMENT.values()))
+    return f"""
+[model]
+source = "smollm2"
+
+[server]
+port = {base}
+
+[security]
+secret_env = "{SECRET_ENV}"
+
+[control]
+on = "head"
+port = {base + 1}
+
+[limits]
+ready_timeout_s = 300
+request_timeout_s = 120
+
+{hosts}
+[stages.ingress]
+on = "head"
+port = {base + 3}
+
+[stages.prefill]
+on = "prefill-node"
+port = {base + 4}
+data_port = {base + 7}
+cores = [0]
+
+[stages.kv_shuttle]
+on = "prefill-node"
+port = {base + 5}
+data_port = {base + 8}
+
+[stages.decode]
+on = "decode-node"
+port = {base + 6}
+data_port = {base + 9}
+cores = [1]
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1}})
+    for host in ("prefill-node", "decode-node"):
+        made.add_node(num_cpus=1, resources={host: 1})
+    made.wait_for_nodes()
+    ray.init(address=made.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        yield made
+    finally:
+        ray.shutdown()
+        made.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pipeline(cluster, tmp_path_factory):
+    from pdflow.security.keys import encode_secret, new_secret
+
+    workdir = tmp_path_factory.mktemp("ray")
+    base = free_port_base()
+    path = workdir / "topology.toml"
+    path.write_text(topology(base))
+    log = open(workdir / "launcher.log", "wb")
+    env = {**os.environ, SECRET_ENV: encode_secret(new_secret())}
+    pdflow = str(Path(sys.executable).parent / "pdflow")
+    proc = subprocess.Popen([pdflow, "run", str(path), "--backend", "ray", "--ray-address", cluster.address],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{base}"
+    try:
+        wait_healthy(url, proc, workdir, lambda body: True)
+        yield url, proc, workdir
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, workdir: Path, also, timeout_s: float = 300) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"pdflow run exited with {proc.returncode}:\n{(workdir / 'launcher.log').read_text()[-5000:]}")
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            if r.status_code == 200 and also(r.json()):
+                return r.json()
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"not healthy in {timeout_s} s:\n{(workdir / 'launcher.log').read_text()[-5000:]}")
+
+
+def ask(url: str) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                          temperature=0, max_tokens=12).choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def reference(served_model):
+    from pdflow.testing.reference import chat_ids, greedy_answer
+
+    loaded, tokenizer = served_model
+    return greedy_answer(loaded, tokenizer, chat_ids(tokenizer, QUESTION), 12)
+
+
+def placed_actors() -> list[tuple[str, str]]:
+    """(replica, host resource of its node) for each live pdflow actor (the replica: the actor's
+    name without the start's suffix), as Ray's nodes and the actors themselves say."""
+    from pdflow.runtime.ray_backend import NAMESPACE
+
+    resources_of = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+    placed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE:
+            continue
+        node = ray.get(ray.get_actor(entry["name"], namespace=NAMESPACE).node.remote(), timeout=30)
+        hosts = [name for name in resources_of[node] if name in PLACEMENT.values()]
+        placed.append((entry["name"].split("@")[0], hosts[0] if hosts else "?"))
+    return sorted(placed)
+
+
+def test_every_replica_is_an_actor_on_its_hosts_node_and_the_pipeline_answers(pipeline, reference):
+    url, _, _ = pipeline
+    assert ask(url) == reference
+    assert placed_actors() == PLACED
+
+
+def test_a_stage_killed_on_its_node_is_restarted_through_ray(pipeline, reference):
+    url, proc, workdir = pipeline
+    pid = httpx.get(f"{url}/health", timeout=5).json()["stages"]["decode-0"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_healthy(url, proc, workdir, lambda body: body["stages"]["decode-0"]["restarts"] >= 1
+                 and body["stages"]["decode-0"]["pid"] != pid)
+    assert ask(url) == reference
+    assert placed_actors() == PLACED  # the new actor on decode's node, the old one gone
