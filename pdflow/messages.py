@@ -20,7 +20,7 @@ PROTOCOL_VERSION = 10  # 2: generic routes, plug-in message types, the version o
 # store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore); 7: the disk tier (KvExpected.keep_s, PlanWanted,
 # KvForget, heartbeat notes); 8: KV codecs (KvChunkHeader.codec, codec_block: an older receiver would take encoded
 # bytes for KV); 9: KvDestination slots of -1 (blocks a structural codec drops), DecodeRequest.prompt_ids
-# (speculative decoding); 10: several hosts (ReplicaExited, from a host's launcher)
+# (speculative decoding); 10: several hosts (ReplicaExited, from a host's launcher), KvHoldings
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -318,6 +318,20 @@ class StageFailed(Message):
     error: str
 
 
+class KvHoldings(Message):
+    """kv-shuttle -> ingress, a few times a second while its store changes: the block ids it
+    indexed (``added``) and dropped (``removed``) since its report ``seq - 1``, or (``full``) all it
+    holds. Ids as their low 64 bits, 8 bytes each, little-endian (:mod:`pdflow.kv.holdings`).
+    Taken only from the replica it names."""
+
+    stage: str
+    replica: int
+    seq: int
+    full: bool
+    added: bytes
+    removed: bytes = b""
+
+
 class ReplicaExited(Message):
     """a host's launcher -> the supervising launcher (a pipeline on several hosts): the process
     of a replica on its host exited; it restarts it (or, past ``max_restarts``, gives up)."""
@@ -405,6 +419,7 @@ ControlMessage = (
     | PlanWanted
     | KvForget
     | KvForgotten
+    | KvHoldings
     | DecodeRequest
     | EgressRequest
     | KvDestination
@@ -430,6 +445,7 @@ ALL_MESSAGES: tuple[type, ...] = ControlMessage.__args__  # type: ignore[attr-de
 LAUNCHER_MESSAGES: tuple[type, ...] = (Ready, Heartbeat, StageFailed, ProtocolRefused,  # stage -> launcher
                                        ReplicaExited)  # a host's launcher -> the supervising one
 INGRESS_ONLY: tuple[type, ...] = (KvForget,)  # not about one request, and taken from ingress only
+SELF_REPORTS: tuple[type, ...] = (KvHoldings,)  # about the replica it names, and taken from that replica only
 
 
 

@@ -31,6 +31,7 @@ from pdflow.messages import (
     PROTOCOL_VERSION,
     Cancel,
     Heartbeat,
+    KvHoldings,
     PrefillRequest,
     Route,
     SamplingParams,
@@ -233,6 +234,8 @@ def test_forged_messages_cannot_touch_another_client_s_request(server):
         shuttle.send("decode/0", framing.encode(Cancel(request_id, "forged")))  # only ingress cancels
         decode.send("ingress/0", framing.encode(TextDelta(request_id, "INJECTED", 1)))  # decode sends tokens, not text
         shuttle.send("ingress/0", framing.encode(Tokens(request_id, 1, [1, 2, 3])))  # kv-shuttle sends no tokens
+        # a store's holdings come from that store only
+        decode.send("ingress/0", framing.encode(KvHoldings("kv_shuttle", 0, 0, True, b"\x00" * 8)))
         thread.join(60)
     finally:
         shuttle.close()
@@ -240,5 +243,5 @@ def test_forged_messages_cannot_touch_another_client_s_request(server):
     lines = result["lines"]
     assert lines[-1] == "data: [DONE]" and "INJECTED" not in "".join(lines)
     assert any('"finish_reason":"length"' in line for line in lines)
-    assert _settle(server, "control_forged", forged_before + 2) >= forged_before + 3
+    assert _settle(server, "control_forged", forged_before + 3) >= forged_before + 4
 

@@ -8,7 +8,7 @@ import pytest
 
 from pdflow.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Cancel, DecodeRequest, EgressRequest, Heartbeat, Hello,
-    KvChunkHeader, KvDestination, KvExpected, KvForget, KvForgotten, KvPlan, KvInPlace, PlanWanted, KvInStore, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
+    KvChunkHeader, KvDestination, KvExpected, KvForget, KvForgotten, KvHoldings, KvPlan, KvInPlace, PlanWanted, KvInStore, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
     PrefixDestination,
     ProtocolMismatch, ProtocolRefused, Ready, ReplicaExited, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
     StageStatus, StageUp, StopRequest, TextDelta, Tokens, check_hello, decoder, encoder,
@@ -71,6 +71,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                 Heartbeat("kv_shuttle", 0, 4, notes={"disk": "off, memory only: No space left on device"})],
     StageFailed: [StageFailed("decode", 1, "Traceback (most recent call last):\n  ...\nRuntimeError: boom")],
     ReplicaExited: [ReplicaExited("decode", 1, "exited with status 1", True)],
+    KvHoldings: [KvHoldings("kv_shuttle", 0, 0, True, bytes(range(16))),
+                 KvHoldings("kv_shuttle", 1, 7, False, b"", bytes(8))],
     StageDown: [StageDown("kv_shuttle", 0, "exited with status -9")],
     StageUp: [StageUp("kv_shuttle", 0)],
     StageStatus: [StageStatus("decode", 0, "restarting", 4244, 3, 2),
@@ -217,6 +219,7 @@ def test_field_order_is_pinned() -> None:
     assert _names(EgressRequest)[-2:] == ["resume_ids", "resume_chars"]
     assert _names(DecodeRequest) == ["request_id", "prompt_len", "sampling", "route", "prompt_ids"]
     assert _names(ReplicaExited) == ["stage", "replica", "reason", "restarting"]
+    assert _names(KvHoldings) == ["stage", "replica", "seq", "full", "added", "removed"]
 
 
 def test_appended_fields_have_defaults() -> None:

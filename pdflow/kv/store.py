@@ -58,6 +58,7 @@ from pdflow.kv.arena import ArenaLayout, anonymous_memory
 from pdflow.kv.blocks import BlockId, descendants
 from pdflow.kv.checksum import checksum
 from pdflow.kv.codecs import KvCodec
+from pdflow.kv.holdings import Journal
 from pdflow.kv.layout import KEYS, VALUES, KvLayout, torch_dtype
 from pdflow.kv.outcomes import Corrupted, Miss, VersionMismatch
 from pdflow.transports.regions import byte_view
@@ -169,6 +170,7 @@ class KvStore:
         self.block_ttl_s = block_ttl_s
         self.clock = clock
         self.on_commit: Callable[[BlockId], None] | None = None  # told of every block indexed (the disk tier's writer)
+        self.journal: Journal | None = None  # set: records every id indexed and dropped (cache-aware routing)
         self._free = list(range(self.layout.num_slots))  # a heap: low slots first, so runs stay long
         self._index: dict[BlockId, _Block] = {}
         self._evictable: list[tuple[int, BlockId]] = []  # heap of (tick, id); stale entries skipped
@@ -188,6 +190,10 @@ class KvStore:
         hit = self._prefix(ids)
         self._count_lookup(hit)
         return hit
+
+    def block_ids(self) -> list[BlockId]:
+        """Every block id indexed now."""
+        return list(self._index)
 
     def __contains__(self, block_id: BlockId) -> bool:
         block = self._index.get(block_id)
@@ -328,6 +334,8 @@ class KvStore:
         self._pin(block)
         lease.pinned.append(block)
         self._counts["commits"] += 1
+        if self.journal is not None:  # (after a new version's _retire recorded the old one's removal)
+            self.journal.add(block_id)
         if self.on_commit is not None:
             self.on_commit(block_id)
         return True
@@ -589,6 +597,8 @@ class KvStore:
 
     def _remove(self, block: _Block) -> None:
         del self._index[block.id]
+        if self.journal is not None:
+            self.journal.remove(block.id)
         parent = block.parent
         if parent is not None:
             parent.children -= 1

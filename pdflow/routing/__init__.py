@@ -1,6 +1,8 @@
 """Routers: how ingress picks the replica of each stage that serves a request.
 
-Built-in policies: ``round_robin`` (the default), ``least_loaded`` and ``power_of_two``; a
+Built-in policies: ``round_robin`` (the default), ``least_loaded``, ``power_of_two`` and
+``cache_aware`` (the kv-shuttle replica that holds most of the prompt's prefix, weighed against
+its load: an estimate of the time to first token); a
 third-party router arrives through the ``pdflow.routers`` entry-point group (or is named as
 ``"module:Class"``). Select one in the topology::
 
@@ -23,6 +25,7 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "round_robin": ("pdflow.routing.policies:RoundRobinRouter", ""),
     "least_loaded": ("pdflow.routing.policies:LeastLoadedRouter", ""),
     "power_of_two": ("pdflow.routing.policies:PowerOfTwoRouter", ""),
+    "cache_aware": ("pdflow.routing.policies:CacheAwareRouter", ""),
 }
 
 registry = Registry("router", ENTRY_POINT_GROUP, Router, BUILTIN)

@@ -1,9 +1,10 @@
 """The Router interface: ingress asks it, for each stage of a request's route, which replica.
 
-A router sees the request (its id and prompt token ids: what a cache-aware router needs) and
-every replica's live status: whether it is healthy, the in-flight count from its latest
-heartbeat, and how many of ingress's requests it holds now (ingress counts those itself, so
-they are never stale). Only healthy replicas are offered; ``pick`` returns one of them.
+A router sees the request (its id and prompt token ids) and every replica's live status: whether
+it is healthy, the in-flight count from its latest heartbeat, how many of ingress's requests it
+holds now (ingress counts those itself, so they are never stale) and, for a router that asks, how
+much of the prompt's prefix a KV-keeping replica holds. Only healthy replicas are offered;
+``pick`` returns one of them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class ReplicaStatus:
     healthy: bool = True
     in_flight: int = 0  # from the replica's latest heartbeat (about a second old)
     assigned: int = 0  # ingress's requests on this replica now (exact)
+    # tokens of the request's prompt, from its start, whose KV the replica holds: for the stage
+    # that keeps KV (kv-shuttle), given to a router that asks (``uses_holdings``); None: not known
+    cached_tokens: int | None = None
 
     @property
     def load(self) -> int:
@@ -35,7 +39,13 @@ class ReplicaStatus:
 
 
 class Router(ABC):
-    """Picks a replica of a stage for a request. Called on ingress's event loop: keep it quick."""
+    """Picks a replica of a stage for a request. Called on ingress's event loop: keep it quick.
+
+    ``uses_holdings``: the stores publish which blocks they hold, and ingress fills
+    :attr:`ReplicaStatus.cached_tokens` for the stage that keeps KV (a little work per request
+    and a few messages a second per store, so only for a router that reads it)."""
+
+    uses_holdings: bool = False
 
     @abstractmethod
     def pick(self, stage: str, request: RoutingRequest, replicas: list[ReplicaStatus]) -> int:

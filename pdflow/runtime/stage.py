@@ -20,7 +20,8 @@ before any handler runs, for every message with a ``request_id``:
   a stage whose output the pipeline wires to this one, or, for a RequestFailed, any stage. Only
   ingress cancels. Anything else is dropped and counted (``forged``), so no process can act on
   a request that is not its own. A message about no one request that only ingress may send
-  (``INGRESS_ONLY``: a KV forget) is likewise dropped from anyone else.
+  (``INGRESS_ONLY``: a KV forget) is likewise dropped from anyone else, and a report about a
+  replica (``SELF_REPORTS``: a store's holdings) from anyone but that replica.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import structlog
 
 from pdflow.messages import (
     INGRESS_ONLY,
+    SELF_REPORTS,
     PROTOCOL_VERSION,
     Cancel,
     Heartbeat,
@@ -346,6 +348,9 @@ class Stage:
                 self.requests.hold(request_id, (sender, message))  # checked when it opens
                 return
         elif kind in INGRESS_ONLY and sender is not None and sender[0] != "ingress":
+            self.forged.drop(message=kind.__name__, sender=sender)
+            return
+        elif kind in SELF_REPORTS and sender is not None and sender != (message.stage, message.replica):
             self.forged.drop(message=kind.__name__, sender=sender)
             return
         handler = table.get(kind)

@@ -28,9 +28,12 @@ from transformers import AutoConfig
 
 from pdflow import routing
 from pdflow.engine import load_tokenizer
+from pdflow.kv.blocks import BlockHasher
+from pdflow.kv.holdings import Holdings
 from pdflow.messages import (
     Cancel,
     KvForgotten,
+    KvHoldings,
     RequestFailed,
     Route,
     SamplingParams,
@@ -104,6 +107,9 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         self.routed = [name for name in self.pipeline.stages if name != "ingress"]
         self.admitted_by = [(name, self.pipeline.stage_class(name)) for name in reversed(self.routed)]
         self.router = routing.create(self.pipeline.router.policy, self.pipeline.router.options)
+        self.holdings = Holdings() if self.router.uses_holdings else None  # what each store holds, as it says
+        self.hasher = BlockHasher.for_pipeline(self.pipeline)
+        self.keeps_kv = {name for name in self.routed if getattr(self.pipeline.stage_class(name), "holds_kv", False)}
         server = self.pipeline.server
         self.server = http_server(build_app(self), server.host, server.port, server.header_timeout_s)
         self.server_task = self.spawn(self.server.serve())
@@ -125,7 +131,16 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
 
     def handlers(self):
         return {TextDelta: self.on_result, RequestFailed: self.on_result, Tokens: self.on_tokens,
-                KvForgotten: self.on_forgotten}
+                KvForgotten: self.on_forgotten, KvHoldings: self.on_holdings}
+
+    def on_holdings(self, message: KvHoldings) -> None:
+        """A store's report of the blocks it indexed and dropped (cache-aware routing)."""
+        if self.holdings is None or message.stage not in self.keeps_kv or \
+                not 0 <= message.replica < self.pipeline.stages[message.stage].replicas:
+            return
+        if not self.holdings.apply(message.stage, message.replica, message.seq, message.full, message.added,
+                                   message.removed):
+            self.log.debug("kv.holdings.resync", stage=message.stage, replica=message.replica, seq=message.seq)
 
     async def on_tokens(self, message: Tokens) -> None:
         pending: PendingRequest = self.requests.get(message.request_id)
@@ -158,9 +173,11 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
     def _route(self, request_id: str, prompt_ids: list[int]) -> Route:
         request = RoutingRequest(request_id, prompt_ids)
         picked = {"ingress": self.replica}
+        ids = self.hasher.ids(prompt_ids) if self.holdings is not None else None
         for name in self.routed:
             replicas = [
-                ReplicaStatus(i, (name, i) not in self.down, self.reported.get((name, i), 0), self.assigned[(name, i)])
+                ReplicaStatus(i, (name, i) not in self.down, self.reported.get((name, i), 0), self.assigned[(name, i)],
+                              self._cached_tokens(name, i, ids))
                 for i in range(self.pipeline.stages[name].replicas)
             ]
             try:
@@ -170,6 +187,13 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
                 raise ApiError(f"no {display} replica is up (restarting); retry shortly", status=503,
                                type="server_error") from None
         return Route(picked)
+
+    def _cached_tokens(self, stage: str, replica: int, ids: list[int] | None) -> int | None:
+        """Tokens of the prompt (block ``ids``) whose KV ``replica`` of ``stage`` holds, as it last
+        said; None where it is not a store, or has not said (or the router does not ask)."""
+        if ids is None or stage not in self.keeps_kv or not self.holdings.known(stage, replica):
+            return None
+        return self.holdings.prefix_blocks(stage, replica, ids) * self.hasher.block_tokens
 
     async def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
@@ -250,6 +274,8 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
 
     def on_stage_down(self, message: StageDown) -> None:
         self.down.add((message.stage, message.replica))
+        if self.holdings is not None:
+            self.holdings.forget(message.stage, message.replica)  # it says again when it is back
         if message.stage not in self.routed:
             return
         for pending in list(self.requests.active.values()):

@@ -49,6 +49,7 @@ from pdflow.kv.arena import ArenaLayout
 from pdflow.kv.blocks import BlockHasher, answer_blocks, reusable_blocks
 from pdflow.kv.chunks import between_slots, from_slots, slot_of, tokens_of_run
 from pdflow.kv.disk import DiskInUse, DiskTier
+from pdflow.kv.holdings import Journal, pack_ids
 from pdflow.kv.in_flight import InFlight, Writer
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
 from pdflow.kv.store import KvStore, Lease, StoreFull
@@ -59,6 +60,7 @@ from pdflow.messages import (
     KvExpected,
     KvForget,
     KvForgotten,
+    KvHoldings,
     KvInPlace,
     KvInStore,
     KvPlan,
@@ -76,6 +78,8 @@ _ARRIVING_WAIT_S = 2.0  # how long a request waits for an answer's blocks alread
 _LATE_WRITES_S = 3.0  # the slots of a request that ended unfinished are reused only after this long
 _DISK_EXPIRY_EVERY_S = 30.0  # how often expired blocks on disk are overwritten
 _DRAIN_ON_STOP_S = 5.0  # a clean stop writes what is queued for disk, for at most this long
+_HOLDINGS_EVERY_S = 0.25  # how often the store's changes go to ingress (cache-aware routing), at most
+_HOLDINGS_FULL_EVERY_S = 10.0  # and how often all it holds, which repairs a report lost on the way
 
 
 @dataclass(slots=True, eq=False)
@@ -147,6 +151,11 @@ class KvShuttleStage(Stage):
         self.to_prefill = self.kv_sender("destination")
         self.spawn(self._notice_loop(), essential=True)
         self.spawn(self._expiry_loop(), essential=True)
+        from pdflow.routing import registry as routers
+
+        if getattr(routers.load(topo.router.policy), "uses_holdings", False):  # ingress routes by what we hold
+            self.store.journal = Journal()
+            self.spawn(self._holdings_loop(), essential=True)
         if self.tiers is not None:
             self.spawn(self.tiers.run(), essential=True)
             self.spawn(self._disk_expiry_loop(), essential=True)
@@ -530,6 +539,25 @@ class KvShuttleStage(Stage):
         while True:
             await asyncio.sleep(_DISK_EXPIRY_EVERY_S)
             await asyncio.to_thread(self.tiers.disk.expire)
+
+    async def _holdings_loop(self) -> None:
+        """Tell ingress what the store indexed and dropped, a few times a second while it changes,
+        and all it holds now and then (:mod:`pdflow.kv.holdings`)."""
+        seq, last_full = 0, -float("inf")
+        while True:
+            added, removed = self.store.journal.drain()
+            now = time.monotonic()
+            if now - last_full >= _HOLDINGS_FULL_EVERY_S:
+                report = KvHoldings(self.ctx.stage, self.replica, seq, True, pack_ids(self.store.block_ids()))
+                last_full = now
+            elif added or removed:
+                report = KvHoldings(self.ctx.stage, self.replica, seq, False, pack_ids(added), pack_ids(removed))
+            else:
+                report = None
+            if report is not None:
+                await self.bus.broadcast("ingress", report)
+                seq += 1
+            await asyncio.sleep(_HOLDINGS_EVERY_S)
 
     async def _expiry_loop(self) -> None:
         while True:

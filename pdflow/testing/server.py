@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -25,14 +26,15 @@ _PORTS = 11  # server, control (2), five stage control ports, three data ports
 SECRET_ENV = "PDFLOW_SECRET"
 
 
-def free_port_base() -> int:
-    """A run of free ports below the kernel's ephemeral range: a port inside it can be taken, while
-    its stage is down, by a peer's own reconnecting socket (TCP connects to itself when its source
-    port happens to equal the port it dials), and the restarted stage could not bind it again."""
+def free_port_base(count: int = _PORTS) -> int:
+    """A run of ``count`` free ports below the kernel's ephemeral range: a port inside it can be
+    taken, while its stage is down, by a peer's own reconnecting socket (TCP connects to itself
+    when its source port happens to equal the port it dials), and the restarted stage could not
+    bind it again."""
     for _ in range(200):
-        base = random.randrange(10000, ephemeral_port_range()[0] - _PORTS)
+        base = random.randrange(10000, ephemeral_port_range()[0] - count)
         try:
-            for port in range(base, base + _PORTS):
+            for port in range(base, base + count):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
             return base
@@ -145,17 +147,22 @@ class PdflowServer:
                  kv_streaming: str = "layer", link_options: dict | None = None, request_timeout_s: float = 120,
                  kv: dict | None = None, api_key: str | None = None, server: dict | None = None,
                  egress: bool = False, codec: str = "none", decode_link_options: dict | None = None,
-                 decode_codec: str | None = None, decode_codec_options: dict | None = None):
+                 decode_codec: str | None = None, decode_codec_options: dict | None = None,
+                 topology: Callable[[int], str] | None = None, ports: int = _PORTS):
+        """``topology(base)``: the topology's text on ports ``base`` .. ``base + ports - 1``
+        (its server on ``base``; ``[security] secret_env = SECRET_ENV``), instead of
+        :func:`topology_text`'s from the other settings."""
         from pdflow.security.keys import new_secret
 
         self.workdir = workdir
         self.secret = new_secret()
         self.api_key = api_key
-        base = free_port_base()
+        base = free_port_base(ports)
         self.base = base
         self.url = f"http://127.0.0.1:{base}"
         self.topology = workdir / "topology.toml"
         self.topology.write_text(
+            topology(base) if topology is not None else
             topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options,
                           request_timeout_s, kv, server, egress, codec, decode_link_options, decode_codec,
                           decode_codec_options)

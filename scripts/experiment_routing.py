@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Cache-aware routing against round robin and least loaded, side by side, on this machine.
+
+One pipeline per policy, the same otherwise: two prefill replicas, two kv-shuttle replicas (two
+stores, each holding what went through it), one decode; a scaled replay of Mooncake's
+conversation trace (`pdflow bench serve --dataset trace`), each policy in turn (the order rotating
+from repetition to repetition, so none always runs on a fresher machine). Reported per run: the
+cached share of prompt tokens (the hit ratio), TTFT p50 and p99, goodput under the SLOs; then each
+policy's goodput over round robin's, per repetition and as their median.
+
+    .venv/bin/python scripts/experiment_routing.py --out bench-results/routing
+    .venv/bin/python scripts/experiment_routing.py --time-scale 16 --repeats 2
+
+Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from pdflow.bench.experiments import Report, bench, figure
+from pdflow.testing.server import SECRET_ENV, PdflowServer
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+POLICIES = ("round_robin", "least_loaded", "cache_aware")
+REPORT = Report()
+say = REPORT.say
+PORTS = 15
+
+
+def topology(policy: str, block_tokens: int, request_timeout_s: float):
+    def text(base: int) -> str:
+        return f"""
+[model]
+source = "smollm2"
+
+[server]
+port = {base}
+
+[control]
+port = {base + 1}
+
+[security]
+secret_env = "{SECRET_ENV}"
+
+[limits]
+ready_timeout_s = 300
+heartbeat_timeout_s = 10
+request_timeout_s = {request_timeout_s}
+
+[router]
+policy = "{policy}"
+
+[kv]
+block_tokens = {block_tokens}
+
+[stages.ingress]
+port = {base + 3}
+
+[stages.prefill]
+replicas = 2
+port = {base + 4}
+data_port = {base + 10}
+
+[stages.kv_shuttle]
+replicas = 2
+port = {base + 6}
+data_port = {base + 12}
+
+[stages.decode]
+port = {base + 8}
+data_port = {base + 14}
+"""
+    return text
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("bench-results/routing"))
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--conversations", type=int, default=40, help="conversations sampled from the trace")
+    p.add_argument("--token-scale", type=float, default=0.03125, help="trace lengths (and 512-token blocks) times this")
+    p.add_argument("--time-scale", type=float, default=16, help="replay this many times faster than the trace")
+    p.add_argument("--slo-ttft", type=float, default=10000, help="ms")
+    p.add_argument("--slo-tbt", type=float, default=500, help="ms")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--seed", type=int, default=5)
+    opts = p.parse_args()
+    opts.parts = "routing"
+    return REPORT.run("Cache-aware routing", {"routing": part_routing}, opts)
+
+
+def part_routing(opts, out: Path) -> None:
+    from pdflow.bench.workloads import WorkloadSpec, block_size, reusable_fraction, trace_rows
+
+    policies = opts.policies.split(",")
+    block = block_size(opts.token_scale)
+    argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--token-scale", str(opts.token_scale),
+            "--time-scale", str(opts.time_scale), "--sample-conversations", str(opts.conversations),
+            "--seed", str(opts.seed), "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
+    rows = trace_rows(WorkloadSpec("trace", path=str(TRACE), token_scale=opts.token_scale,
+                                   sample_conversations=opts.conversations, seed=opts.seed))
+    say(f"Mooncake conversation trace: every request of {opts.conversations} conversations picked at random "
+        f"({len(rows)} requests over {(rows[-1]['timestamp'] - rows[0]['timestamp']) / 1000:.0f} s, replayed "
+        f"{opts.time_scale:g}x faster), token scale {opts.token_scale} (512-token hash blocks become {block} tokens; "
+        f"the stores' blocks too); reusable fraction (blocks whose prefix an earlier request sent): "
+        f"{reusable_fraction(rows):.1%}. Two prefill and two kv-shuttle replicas, one decode; SLOs TTFT <= "
+        f"{opts.slo_ttft:.0f} ms, TBT <= {opts.slo_tbt:.0f} ms (`pdflow bench serve " + " ".join(argv) + "`).")
+    say()
+    say("| run | policy | requests ok / failed | cached / prompt tokens | TTFT p50 (ms) | TTFT p99 (ms) | "
+        "goodput (req/s) | goodput / round robin |")
+    say("|---:|---|---:|---:|---:|---:|---:|---:|")
+    results: list[dict[str, dict]] = []
+    for run in range(opts.repeats):
+        order = policies[run % len(policies):] + policies[:run % len(policies)]
+        got = {}
+        for policy in order:
+            with tempfile.TemporaryDirectory() as tmp, \
+                    PdflowServer(Path(tmp), topology=topology(policy, block, 900), ports=PORTS) as server:
+                got[policy] = bench(server.url, out / f"routing-{policy}-{run}.json", argv)["runs"][0]["metrics"]
+        results.append(got)
+        for policy in policies:
+            m = got[policy]
+            base = got.get("round_robin", {}).get("goodput")
+            ratio = f"{m['goodput'] / base:.2f}x" if base else "-"
+            hit = f"{m['cache']['hit_ratio']:.1%}" if m["cache"]["reported"] else "-"
+            say(f"| {run + 1} | {policy} | {m['completed']} / {m['failed']} | {hit} | {figure(m['ttft_ms']['p50'])} "
+                f"| {figure(m['ttft_ms']['p99'])} | {m['goodput']:.3f} | {ratio} |")
+    (out / "routing.json").write_text(json.dumps(results))
+    say()
+    if "round_robin" in policies:
+        for policy in policies:
+            ratios = [r[policy]["goodput"] / r["round_robin"]["goodput"] for r in results if r["round_robin"]["goodput"]]
+            if ratios and policy != "round_robin":
+                spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
+                say(f"- goodput {policy} / round robin: **{statistics.median(ratios):.2f}x**{spread}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Cache-aware routing: the stores' journals, their reports to ingress (KvHoldings) and ingress's
+picture of them, the cache_aware router's estimate, and a conversation that keeps hitting its
+prefix on one of two kv-shuttle replicas (in one process: LocalPipeline)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdflow.kv.holdings import Holdings, Journal, pack_ids, short_id, unpack_ids
+from pdflow.routing import ReplicaStatus, RoutingRequest, create
+
+
+def test_a_journal_nets_out_what_came_and_went_between_drains() -> None:
+    journal = Journal()
+    journal.add(1)
+    journal.add(2)
+    journal.remove(2)  # came and went: neither
+    journal.remove(3)  # held before the last drain: removed
+    assert journal.drain() == ({1}, {3})
+    journal.remove(1)
+    journal.add(1)  # dropped and indexed again (a new version): added
+    assert journal.drain() == ({1}, set()) and journal.drain() == (set(), set())
+
+
+def test_ids_travel_as_their_low_64_bits() -> None:
+    ids = [2**127 + 5, 7, 2**64 - 1]
+    assert list(unpack_ids(pack_ids(ids))) == [short_id(i) for i in ids] == [5, 7, 2**64 - 1]
+    with pytest.raises(ValueError):
+        unpack_ids(b"\x00" * 9)
+
+
+def test_ingress_picture_follows_reports_and_drops_a_replica_after_a_gap() -> None:
+    held = Holdings()
+    ids = [10, 11, 12, 13]
+    assert held.apply("kv_shuttle", 0, 0, True, pack_ids(ids[:2]), b"")
+    assert held.prefix_blocks("kv_shuttle", 0, ids) == 2
+    assert held.apply("kv_shuttle", 0, 1, False, pack_ids([12]), pack_ids([10]))
+    assert held.prefix_blocks("kv_shuttle", 0, ids) == 0  # the first block went: no prefix from the start
+    assert held.prefix_blocks("kv_shuttle", 0, ids[1:]) == 2
+    assert not held.apply("kv_shuttle", 0, 5, False, pack_ids([10]), b"")  # seq 2..4 missing
+    assert not held.known("kv_shuttle", 0)
+    assert not held.apply("kv_shuttle", 0, 6, False, pack_ids([10]), b"")  # still: until a full report
+    assert held.apply("kv_shuttle", 0, 7, True, pack_ids(ids), b"") and held.prefix_blocks("kv_shuttle", 0, ids) == 4
+    assert not held.apply("kv_shuttle", 0, 8, False, b"\x01\x02", b"")  # junk: forgotten, not raised
+    assert not held.known("kv_shuttle", 0)
+
+
+def test_a_store_journals_what_it_indexes_and_evicts(tmp_path) -> None:
+    import torch
+
+    from pdflow.kv.layout import KvLayout
+    from pdflow.kv.store import KvStore
+
+    kv = KvLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32")
+    store = KvStore(kv, 4, 3 * 2 * kv.block_bytes(4) * 2, high_watermark=1.0, low_watermark=1.0)
+    store.journal = Journal()
+    blocks = [torch.zeros(4, 1, 4)] * 2
+    for i in range(store.layout.num_slots + 2):  # more blocks than slots: the first ones get evicted
+        store.put([100 + i], blocks, blocks)
+    added, removed = store.journal.drain()
+    assert added == set(store.block_ids()) and removed == set()  # evicted before a drain: never reported
+    store.forget([store.block_ids()[0]])
+    assert store.journal.drain()[1] and len(store.block_ids()) == store.layout.num_slots - 1
+
+
+def test_the_router_weighs_what_a_replica_holds_against_its_load() -> None:
+    router = create("cache_aware", {"prefill_tokens_per_s": 100, "queue_s": 0.5})
+    request = RoutingRequest("r", list(range(300)))
+    holds, empty = ReplicaStatus(0, cached_tokens=256), ReplicaStatus(1, cached_tokens=0)
+    assert router.route("kv_shuttle", request, [holds, empty]) == 0  # 0.44 s against 3 s
+    busy = ReplicaStatus(0, in_flight=6, cached_tokens=256)  # 3.44 s against 3 s: the other one
+    assert router.route("kv_shuttle", request, [busy, empty]) == 1
+    unknown = [ReplicaStatus(0, in_flight=2), ReplicaStatus(1, in_flight=1)]  # no store said: least loaded
+    assert router.route("prefill", request, unknown) == 1
+    with pytest.raises(ValueError, match="prefill_tokens_per_s must be > 0"):
+        create("cache_aware", {"prefill_tokens_per_s": 0})
+
+
+def test_a_conversation_stays_on_the_kv_shuttle_that_holds_it():
+    """Two kv-shuttle replicas, two conversations of three turns: every later turn reads its
+    prefix from the store (cached tokens reported), because the router sends it where the earlier
+    turns' KV is; the conversations' first turns spread over both replicas (nothing held yet: the
+    least loaded)."""
+    from pdflow import LocalPipeline, Pipeline
+    from pdflow.testing.server import free_port_base
+
+    pipeline = (Pipeline.default().with_stage_config("kv_shuttle", replicas=2).with_router("cache_aware")
+                .with_ports(free_port_base()))
+
+    async def main():
+        import openai
+
+        async with LocalPipeline(pipeline) as running:
+            client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+            cached = []
+            for first in ("Describe the sea.", "Describe a forest."):
+                messages = [{"role": "user", "content": first}]
+                for turn in range(3):
+                    reply = await client.chat.completions.create(
+                        model="smollm2", messages=messages, temperature=0, max_tokens=70,
+                        extra_body={"ignore_eos": True})
+                    details = reply.usage.prompt_tokens_details
+                    cached.append((turn, reply.usage.prompt_tokens, details.cached_tokens if details else 0))
+                    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                                 {"role": "user", "content": "Say more."}]
+                    await asyncio.sleep(0.6)  # the stores report a few times a second
+            shuttles = [running.stage("kv_shuttle", i).store.stats().commits for i in (0, 1)]
+            return cached, shuttles
+
+    cached, commits = asyncio.run(main())
+    for turn, prompt_tokens, hit in cached:
+        if turn:  # the earlier turns' prompt and answer, in whole 64-token blocks
+            assert hit >= (prompt_tokens - 90) // 64 * 64 and hit > 0, cached
+    assert all(commits), commits  # each conversation on its own replica
