@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Cache-aware routing against round robin and least loaded, side by side, on this machine.
 
-One pipeline per policy, the same otherwise: two prefill replicas, two kv-shuttle replicas (two
-stores, each holding what went through it), one decode; a scaled replay of Mooncake's
+One pipeline per policy, the same otherwise: two prefill replicas (both on core 0, as the default
+topology's one prefill is), two kv-shuttle replicas (two stores, each holding what went through
+it), one decode (core 1); a scaled replay of Mooncake's
 conversation trace (`pdflow bench serve --dataset trace`), each policy in turn (the order rotating
 from repetition to repetition, so none always runs on a fresher machine). Reported per run: the
 cached share of prompt tokens (the hit ratio), TTFT p50 and p99, goodput under the SLOs; then each
@@ -67,6 +68,7 @@ port = {base + 3}
 replicas = 2
 port = {base + 4}
 data_port = {base + 10}
+cores = [0]
 
 [stages.kv_shuttle]
 replicas = 2
@@ -76,6 +78,7 @@ data_port = {base + 12}
 [stages.decode]
 port = {base + 8}
 data_port = {base + 14}
+cores = [1]
 """
     return text
 

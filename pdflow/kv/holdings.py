@@ -6,14 +6,17 @@ so often all it holds, so a lost or late message is repaired). Ids travel as the
 bytes each: a summary whose false matches (two different 128-bit ids agreeing on 64) are as rare
 as 2^-64 per pair, and which at most misroutes a request, never serves wrong KV (the store checks
 full ids when the request arrives). :class:`Holdings` is ingress's side: per replica, the set it
-was told, and how much of a prompt's prefix each holds.
+was told, the blocks of the prompts it routed there and still runs (a store reports a prompt's
+blocks once they are computed; the next turn of a conversation can come before that, and should
+go where they are being computed), and how much of a prompt's prefix each holds.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
 
 __all__ = ["Holdings", "Journal", "pack_ids", "short_id", "unpack_ids"]
 
@@ -77,6 +80,29 @@ class Holdings:
     def __init__(self) -> None:
         self._held: dict[tuple[str, int], set[int]] = {}
         self._seq: dict[tuple[str, int], int] = {}
+        # blocks on their way into a store: the prompts of requests routed to it, until they end
+        self._coming: dict[tuple[str, int], Counter[int]] = {}
+        self._expected: dict[Hashable, tuple[tuple[str, int], list[int]]] = {}
+
+    def expect(self, request: Hashable, stage: str, replica: int, ids: Sequence[int]) -> None:
+        """``request``, routed to ``replica`` of ``stage``, will put blocks ``ids`` there (its
+        prompt's): count them as held until :meth:`settle` (by then the store's report says)."""
+        self.settle(request)
+        key, shorts = (stage, replica), [short_id(i) for i in ids]
+        self._coming.setdefault(key, Counter()).update(shorts)
+        self._expected[request] = (key, shorts)
+
+    def settle(self, request: Hashable) -> None:
+        """``request`` ended (or was routed again): its blocks are the store's to report now."""
+        found = self._expected.pop(request, None)
+        if found is None:
+            return
+        key, shorts = found
+        coming = self._coming[key]
+        coming.subtract(shorts)
+        for block_id in shorts:
+            if coming[block_id] <= 0:
+                del coming[block_id]
 
     def apply(self, stage: str, replica: int, seq: int, full: bool, added: bytes, removed: bytes) -> bool:
         """Take one report; False (and the replica's picture dropped until its next full report)
@@ -108,13 +134,14 @@ class Holdings:
         return (stage, replica) in self._held
 
     def prefix_blocks(self, stage: str, replica: int, ids: Sequence[int]) -> int:
-        """How many of ``ids`` (a prompt's block ids, in order), from the first, the replica holds."""
-        held = self._held.get((stage, replica))
-        if not held:
-            return 0
+        """How many of ``ids`` (a prompt's block ids, in order), from the first, the replica holds
+        or will soon (a request routed there computes them now)."""
+        held = self._held.get((stage, replica), ())
+        coming = self._coming.get((stage, replica), {})
         count = 0
         for block_id in ids:
-            if short_id(block_id) not in held:
+            short = short_id(block_id)
+            if short not in held and short not in coming:
                 break
             count += 1
         return count

@@ -183,9 +183,13 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
             try:
                 picked[name] = self.router.route(name, request, replicas)
             except NoReplicaAvailable:
+                if self.holdings is not None:
+                    self.holdings.settle(request_id)
                 display = self.pipeline.stages[name].display_name
                 raise ApiError(f"no {display} replica is up (restarting); retry shortly", status=503,
                                type="server_error") from None
+            if ids is not None and name in self.keeps_kv:
+                self.holdings.expect(request_id, name, picked[name], ids)  # its prompt's blocks go there
         return Route(picked)
 
     def _cached_tokens(self, stage: str, replica: int, ids: list[int] | None) -> int | None:
@@ -251,6 +255,8 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         if self.requests.end(pending.internal_id) is None:
             return False
         self.assigned.subtract(pending.route.replicas.items())
+        if self.holdings is not None:
+            self.holdings.settle(pending.internal_id)
         return True
 
     def finish(self, pending: PendingRequest, timeline: dict | None = None) -> None:

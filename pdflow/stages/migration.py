@@ -75,6 +75,8 @@ class MigratingIngress:
         old_id, old_route = pending.internal_id, pending.route
         self.requests.end(old_id)  # late messages for the old attempt are dropped from now on
         self.assigned.subtract(old_route.replicas.items())
+        if self.holdings is not None:
+            self.holdings.settle(old_id)
         for name in self.routed:
             self.spawn(self.bus.send(name, old_route.of(name), Cancel(old_id, "migrated")))
         original = pending.submission
