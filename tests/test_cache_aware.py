@@ -47,7 +47,7 @@ def test_ingress_picture_follows_reports_and_drops_a_replica_after_a_gap() -> No
     assert not held.known("kv_shuttle", 0)
 
 
-def test_a_store_journals_what_it_indexes_and_evicts(tmp_path) -> None:
+def test_a_store_journals_what_it_indexes_and_evicts() -> None:
     import torch
 
     from pdflow.kv.layout import KvLayout
@@ -57,12 +57,21 @@ def test_a_store_journals_what_it_indexes_and_evicts(tmp_path) -> None:
     store = KvStore(kv, 4, 3 * 2 * kv.block_bytes(4) * 2, high_watermark=1.0, low_watermark=1.0)
     store.journal = Journal()
     blocks = [torch.zeros(4, 1, 4)] * 2
-    for i in range(store.layout.num_slots + 2):  # more blocks than slots: the first ones get evicted
+    slots = store.layout.num_slots
+    for i in range(slots):
         store.put([100 + i], blocks, blocks)
     added, removed = store.journal.drain()
-    assert added == set(store.block_ids()) and removed == set()  # evicted before a drain: never reported
-    store.forget([store.block_ids()[0]])
-    assert store.journal.drain()[1] and len(store.block_ids()) == store.layout.num_slots - 1
+    assert added == set(store.block_ids()) == {100 + i for i in range(slots)} and removed == set()
+    store.put([200], blocks, blocks)  # the store is full: a reported block makes room
+    added, removed = store.journal.drain()
+    assert store.stats().evictions == 1 and added == {200}
+    assert len(removed) == 1 and removed.isdisjoint(store.block_ids()) and removed <= {100 + i for i in range(slots)}
+    store.put([300], blocks, blocks)
+    store.put([301], blocks, blocks)
+    added, removed = store.journal.drain()
+    assert added == {300, 301} and len(removed) == 2  # each new block evicted an earlier one
+    store.forget([300])
+    assert store.journal.drain() == (set(), {300})
 
 
 def test_the_router_weighs_what_a_replica_holds_against_its_load() -> None:

@@ -145,6 +145,3 @@ class Holdings:
                 break
             count += 1
         return count
-
-    def blocks(self, stage: str, replica: int) -> int:
-        return len(self._held.get((stage, replica), ()))

@@ -160,9 +160,3 @@ class RayReplica:
         if self._exit is not None:
             ray.wait([self._exit], timeout=timeout)
         self.is_alive()
-
-    def node(self, timeout: float = 30) -> str:
-        """The id of the Ray node the replica runs on."""
-        import ray
-
-        return ray.get(self.actor.node.remote(), timeout=timeout)

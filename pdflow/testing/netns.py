@@ -152,10 +152,6 @@ class Namespaces:
     def address(self, name: str) -> str:
         return self._addresses[name]
 
-    def namespace(self, name: str) -> str:
-        """The kernel's name of namespace ``name`` (for ``ip netns exec``)."""
-        return self._netns[name]
-
     def command(self, name: str, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self._netns[name], *argv]
 
