@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 
@@ -18,6 +19,7 @@ _EPILOG = """examples:
   pdflow bench engine                 the bare engine per weight format, beside transformers
   pdflow bench disk                   the KV store's disk tier beside dd, file I/O and memcpy
   pdflow bench kv-codecs              each KV codec's bytes, quality cost and speed
+  pdflow top --url URL                a live view of a running pdflow, from its /metrics
   pdflow trace cmpl-...               a request's timeline as a Perfetto trace, a PNG and its KV tail
   pdflow keys new pipeline.key        a pipeline secret for [security] secret_file (multi-host)
 """
@@ -82,7 +84,25 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("file", help="where to write it, e.g. pipeline.key")
     _bench_parser(sub)
     _trace_parser(sub)
+    top = sub.add_parser("top", help="a live view of a running pdflow (rates, latency, replicas, KV), from /metrics",
+                         description="Scrape GET /metrics of a running pdflow every interval and show request "
+                         "and token rates, TTFT/TBT/E2E percentiles, each stage's replicas and the KV stores "
+                         "and links. Ctrl-C leaves.")
+    top.add_argument("--url", default="http://127.0.0.1:8000", help="pdflow's base URL (default: %(default)s)")
+    top.add_argument("--api-key", default=None, help="the API key, when the server wants one (default: $PDFLOW_API_KEY)")
+    top.add_argument("--interval", type=_positive, default=2.0, help="seconds between scrapes (default: %(default)s)")
+    top.add_argument("--once", action="store_true", help="print one frame (two scrapes an interval apart) and exit")
     return parser
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _keys(args) -> int:
@@ -246,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "keys":
         return _keys(args)
+    if args.command == "top":
+        from pdflow import top
+
+        return top.main(args)
     if args.command == "trace":
         from pdflow.timeline import cli_trace
 

@@ -167,6 +167,16 @@ class Stage:
                 totals[name] = totals.get(name, 0) + value
         return totals if any(totals.values()) else {}
 
+    def sent_stats(self, **senders) -> dict[str, int]:
+        """For :meth:`stats`: the KV bytes each data-plane sender wrote, keyed
+        ``kv_sent_bytes@<stage>`` after the stage its output (the keyword) goes to."""
+        totals: dict[str, int] = {}
+        for output, sender in senders.items():
+            if sender is not None:
+                key = f"kv_sent_bytes@{self.pipeline.stages[self.output(output)].display_name}"
+                totals[key] = totals.get(key, 0) + sender.sent_bytes
+        return totals
+
     @staticmethod
     def copy_stats(*senders) -> dict[str, int]:
         """For :meth:`stats`: the KV bytes ``senders`` (data-plane transports) copied into their

@@ -3,7 +3,8 @@
 
 Every refusal is a 4xx in OpenAI's error format naming the field at fault: a missing or wrong API
 key (401), a body over ``server.max_body_bytes`` (413, refused before it is read), a bad field
-(400), too many requests in flight (429). Prompts are templated and tokenized off the event loop
+(400), too many requests in flight (429). ``GET /metrics`` serves Prometheus metrics
+(:mod:`pdflow.serving.metrics`), behind the API key like the rest. Prompts are templated and tokenized off the event loop
 (:mod:`pdflow.serving.prompts`).
 """
 
@@ -14,7 +15,7 @@ import hmac
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdflow import __version__
 from pdflow.messages import RequestFailed, SamplingParams, TextDelta
@@ -35,6 +36,7 @@ from pdflow.serving.openai_protocol import (
     usage_chunk,
 )
 from pdflow.serving.admin_api import install_admin
+from pdflow.serving.metrics import CONTENT_TYPE
 from pdflow.serving.openapi import install_openapi, route_doc
 
 
@@ -66,6 +68,7 @@ def build_app(ingress) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        ingress.metrics.refusal(exc.status)
         return JSONResponse(error_body(exc), status_code=exc.status)
 
     if api_key:
@@ -78,6 +81,7 @@ def build_app(ingress) -> FastAPI:
                 if not hmac.compare_digest(given, expected):
                     error = ApiError("authorization: a valid API key is required (Authorization: Bearer <key>)",
                                      status=401, param="authorization", code="invalid_api_key")
+                    ingress.metrics.refusal(401)
                     return JSONResponse(error_body(error), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
             return await call_next(request)
@@ -93,6 +97,11 @@ def build_app(ingress) -> FastAPI:
         body = {"status": "ok" if ok else "degraded", "down": down, "in_flight": len(ingress.requests),
                 "stages": stages}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics (text exposition format)", tags=["admin"],
+             response_class=Response, responses={"200": {"content": {CONTENT_TYPE: {}}}})
+    async def metrics() -> Response:
+        return Response(ingress.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict:

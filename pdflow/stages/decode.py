@@ -49,6 +49,7 @@ from pdflow.messages import (
 )
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.stages.engine_thread import engine_thread, run_in
+from pdflow.stages.step_counts import CountsDecodeSteps
 
 _ANSWER_WAIT_S = 30.0  # how long a finished request waits for kv-shuttle's KvReturnSlots
 _LATE_WRITES_S = 3.0  # pool slots of a request that ended before all its KV landed wait this long
@@ -78,7 +79,7 @@ class _Incoming:
         return self.request.route
 
 
-class DecodeStage(Stage):
+class DecodeStage(CountsDecodeSteps, Stage):
     kind = "decode"
     outputs = {"tokens": "ingress", "destination": "kv_shuttle"}
     opens = (DecodeRequest,)
@@ -177,7 +178,8 @@ class DecodeStage(Stage):
         }
 
     def stats(self) -> dict[str, int]:
-        sent = {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.from_shuttle, self.to_shuttle)}
+        sent = {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.from_shuttle, self.to_shuttle),
+                **self.sent_stats(destination=self.to_shuttle), **self.batch_stats()}
         if self.link_codec.drops_tokens:
             sent["kv_prompt_tokens_dropped"] = self.dropped_tokens
         if self.batch.speculation is not None:
@@ -407,7 +409,7 @@ class DecodeStage(Stage):
                 seq.extra["answer_kv"] = self.batch.export(seq, start, end)
             self.batch.remove(seq)
         admitted = self._admit(admit)
-        return admitted, self.batch.step()
+        return admitted, self.step_batch()
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()

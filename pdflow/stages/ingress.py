@@ -48,6 +48,7 @@ from pdflow.routing import NoReplicaAvailable, ReplicaStatus, RoutingRequest
 from pdflow.runtime.stage import Stage, Submission, wired_to
 from pdflow.security.keys import load_api_key
 from pdflow.serving.http_server import HttpServer, http_server
+from pdflow.serving.metrics import ServingMetrics
 from pdflow.serving.openai_protocol import ApiError
 from pdflow.serving.prompts import PromptBuilder
 from pdflow.serving.text_stream import TextStream
@@ -75,6 +76,9 @@ class PendingRequest:
     attempts: int = 0  # migrations so far
     migrating: bool = False
     abandoned: bool = False  # cancelled (client gone, failed) while it migrated
+    first_token_at: float | None = None  # for the metrics: when its first text came, its latest, ...
+    last_token_at: float | None = None
+    counted_tokens: int = 0  # ... and how many tokens they have counted
 
 
 class IngressStage(MigratingIngress, KvAdminIngress, Stage):
@@ -104,6 +108,7 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         self.reported: dict[tuple[str, int], int] = {}  # (stage, replica) -> in flight, from heartbeats
         self.assigned: Counter[tuple[str, int]] = Counter()  # (stage, replica) -> our requests there now
         self.accepting = True
+        self.metrics = ServingMetrics(self)
         self.routed = [name for name in self.pipeline.stages if name != "ingress"]
         self.admitted_by = [(name, self.pipeline.stage_class(name)) for name in reversed(self.routed)]
         self.router = routing.create(self.pipeline.router.policy, self.pipeline.router.options)
@@ -166,6 +171,7 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
             if pending.attempts == 0:
                 pending.cached_tokens = max(pending.cached_tokens, message.cached_tokens)
             pending.drafts = max(pending.drafts, (message.draft_proposed, message.draft_accepted))
+            self.metrics.tokens_arrived(pending, message.completion_tokens)
         pending.queue.put_nowait(message)
 
     # --- submitting and cancelling ---------------------------------------------------------
@@ -260,7 +266,8 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         return True
 
     def finish(self, pending: PendingRequest, timeline: dict | None = None) -> None:
-        self._forget(pending)
+        if self._forget(pending):
+            self.metrics.finished(pending)
         if timeline:
             self.timelines[pending.request_id] = timeline
             while len(self.timelines) > _TIMELINES_KEPT:
@@ -271,6 +278,7 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         pending.abandoned = True
         if not self._forget(pending):
             return
+        self.metrics.ended(reason)
         self.log.info("request.cancelled", request_id=pending.request_id, reason=reason)
         message = Cancel(pending.internal_id, reason)
         for name in self.routed:

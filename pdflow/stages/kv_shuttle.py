@@ -198,6 +198,7 @@ class KvShuttleStage(Stage):
     def stats(self) -> dict[str, int]:
         stats = {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill),
                  **self.codec_stats(self.inbound, self.to_decode, self.to_prefill),
+                 **self.sent_stats(kv=self.to_decode, destination=self.to_prefill),
                  "prefix_waits": self.computing.waits, "prefix_waits_given_up": self.computing.given_up}
         if self.tiers is not None:
             disk = self.tiers.disk.stats()

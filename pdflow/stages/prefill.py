@@ -124,7 +124,8 @@ class PrefillStage(Stage):
         return {PrefillRequest: self.on_request, KvPlan: self.on_plan}
 
     def stats(self) -> dict[str, int]:
-        return {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.to_shuttle, self.from_shuttle)}
+        return {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.to_shuttle, self.from_shuttle),
+                **self.sent_stats(kv=self.to_shuttle)}
 
     def on_request(self, message: PrefillRequest) -> None:
         job = _Job(message, asyncio.get_running_loop().create_future())

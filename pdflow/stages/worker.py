@@ -28,9 +28,10 @@ from pdflow.kv.local_cache import LocalPrefixCache
 from pdflow.messages import KvForget, KvForgotten, PrefillRequest, StopRequest, Tokens
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.stages.engine_thread import engine_thread, run_in
+from pdflow.stages.step_counts import CountsDecodeSteps
 
 
-class WorkerStage(Stage):
+class WorkerStage(CountsDecodeSteps, Stage):
     kind = "worker"
     outputs = {"tokens": "ingress"}
     opens = (PrefillRequest,)
@@ -77,7 +78,7 @@ class WorkerStage(Stage):
 
     def stats(self) -> dict[str, int]:
         speculation = self.batch.speculation.stats() if self.batch.speculation is not None else {}
-        return {**(self.cache.stats() if self.cache is not None else {}), **speculation}
+        return {**(self.cache.stats() if self.cache is not None else {}), **speculation, **self.batch_stats()}
 
     def on_request(self, message: PrefillRequest) -> None:
         self.requests.open(message.request_id, message)
@@ -155,7 +156,7 @@ class WorkerStage(Stage):
                 self.batch.add(seq, run.layer_kv)
                 joined.append(seq)
             timeline["finish"] = reason
-        return finished_prefills, joined, self.batch.step()
+        return finished_prefills, joined, self.step_batch()
 
     # --- on the event loop ----------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ class Transport(ABC):
     cross_process: ClassVar[bool] = True  # False: peers must live in this process (inproc)
     shares_memory: ClassVar[bool] = False  # True: peer_memory() maps a receiver's regions here (shm)
     copy_counts: dict[str, int] | None = None  # a sender that counts them: bytes copied, bytes found in place
+    sent_bytes: int = 0  # payload bytes of the chunks written so far (after a link's codec: what went out)
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
         self.host = host
@@ -184,6 +185,7 @@ class Transport(ABC):
                 self._check_open()  # closed meanwhile: it may not all have gone out
             if pending is not None:
                 await self._finish(link, pending)
+            self.sent_bytes += header.nbytes
         except ValueError:
             raise  # from _send, before anything went out: the link stays
         except BaseException as exc:

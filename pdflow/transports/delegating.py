@@ -35,6 +35,10 @@ class DelegatingTransport(Transport):
         return self.inner.copy_counts
 
     @property
+    def sent_bytes(self) -> int:  # type: ignore[override]
+        return self.inner.sent_bytes
+
+    @property
     def address(self) -> str:
         return self.inner.address
 

@@ -72,6 +72,7 @@ class InProcTransport(Transport):
         if receiver is None:
             raise PeerUnreachable(f"no inproc receiver at {address}")
         receiver._deliver(header, payload)
+        self.sent_bytes += header.nbytes
 
     def _deliver(self, header: KvChunkHeader, payload: memoryview) -> None:
         """Runs in the sender's thread: land the payload, then post the notice on our loop."""
