@@ -204,7 +204,8 @@ def _validate(args) -> int:
         ports = f"control :{stage.port}" + (f", data :{stage.data_port}" if stage.data_port else "")
         cores = ",".join(map(str, stage.cores)) or "any"
         where = ", ".join(dict.fromkeys(p.name for p in stage.placement)) if stage.placement else stage.host
-        sys.stdout.write(f"  {stage.display_name:<11} x{stage.replicas} on {where} ({ports}), "
+        count = f"{stage.floor}-{stage.replicas} (scaled)" if stage.scaled else str(stage.replicas)
+        sys.stdout.write(f"  {stage.display_name:<11} x{count} on {where} ({ports}), "
                          f"cores {cores}, {stage.device}\n")
     engine = topology.engine
     sys.stdout.write(f"  engine: {engine.mode}, kv_streaming {engine.kv_streaming}"

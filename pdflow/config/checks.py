@@ -61,10 +61,27 @@ def check_pipeline(pipeline: Pipeline, written: Callable[[str], bool] = lambda k
     check_ports(pipeline, written)
 
 
+SCALABLE_KINDS = ("prefill", "decode")  # they keep no KV past a request: a drained one loses nothing
+
+
+def _check_scaled(pipeline: Pipeline, key: str, stage: StageConfig) -> None:
+    if not 1 <= stage.min_replicas <= stage.replicas:
+        raise PipelineError(f"{key}.min_replicas", f"expected an integer from 1 to replicas ({stage.replicas}), "
+                            f"got {stage.min_replicas}")
+    if stage.scaled and stage.kind_name not in SCALABLE_KINDS:
+        raise PipelineError(f"{key}.min_replicas", f"the scaler starts and stops {' and '.join(SCALABLE_KINDS)} "
+                            f"replicas only (the others keep state or own a port); remove min_replicas")
+    if stage.scaled and pipeline.hosts:
+        raise PipelineError(f"{key}.min_replicas", "the scaler runs on one host for now (with [hosts], each host's "
+                            "launcher starts its own replicas); remove min_replicas or [hosts]")
+
+
 def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:
     key = f"stages.{name}"
     if stage.replicas < 1:
         raise PipelineError(f"{key}.replicas", f"expected an integer >= 1, got {stage.replicas}")
+    if stage.min_replicas is not None:
+        _check_scaled(pipeline, key, stage)
     if not DEVICE.fullmatch(stage.device):
         raise PipelineError(f"{key}.device", f'expected "cpu", "cuda" or "cuda:N", got {describe(stage.device)}')
     from pdflow.stages import registry

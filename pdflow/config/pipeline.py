@@ -266,6 +266,28 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ScalerConfig:
+    """The adaptive scaler (:mod:`pdflow.runtime.scaler`): every ``interval_s`` it weighs each
+    scaled stage's load (stages with ``min_replicas`` below ``replicas``) against the SLOs and
+    starts or drains one replica. A stage is *hot* when its latency p90 over the last
+    ``window_s`` is past its SLO (prefill: TTFT; decode: TBT) or its requests in flight per
+    running replica are past ``*_queue_per_replica``; *cold* when its latency is under half the
+    SLO and one replica fewer would stay under half the queue bound. Hot for ``up_after_s``: one
+    more; cold for ``down_after_s``: one fewer (drained first); then, for ``cooldown_s``, that
+    stage neither changes nor gathers evidence (a new replica takes a while to load)."""
+
+    interval_s: float = 1.0
+    window_s: float = 10.0
+    ttft_slo_ms: float = 2000.0
+    tbt_slo_ms: float = 200.0
+    prefill_queue_per_replica: float = 2.0
+    decode_queue_per_replica: float = 16.0
+    up_after_s: float = 3.0
+    down_after_s: float = 15.0
+    cooldown_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
 class StageConfig:
     """One stage; replica ``i`` listens on ``port + i`` (and receives KV on ``data_port + i``).
 
@@ -285,6 +307,16 @@ class StageConfig:
     outputs: dict[str, str] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     placement: tuple[HostConfig, ...] = ()  # the host of each replica (or one for all); () = ``host``
+    min_replicas: int | None = None  # below ``replicas``: the scaler runs between the two (None: all run)
+
+    @property
+    def scaled(self) -> bool:
+        return self.min_replicas is not None and self.min_replicas < self.replicas
+
+    @property
+    def floor(self) -> int:
+        """Replicas that always run (the rest only when the scaler starts them)."""
+        return self.min_replicas if self.scaled else self.replicas
 
     @property
     def kind_name(self) -> str | type:
@@ -352,6 +384,7 @@ class Pipeline:
     engine: EngineConfig = EngineConfig()
     router: RouterConfig = RouterConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    scaler: ScalerConfig = ScalerConfig()
     kv: KvConfig = KvConfig()
     security: SecurityConfig = SecurityConfig()
     hosts: dict[str, HostConfig] = field(default_factory=dict)  # several machines: by name; {} = one

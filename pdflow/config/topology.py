@@ -42,6 +42,7 @@ from pdflow.config.pipeline import (
     RouterConfig,
     SecurityConfig,
     ServerConfig,
+    ScalerConfig,
     SpeculativeConfig,
     StageConfig,
     default_stage,
@@ -53,7 +54,7 @@ from pdflow.config.toml_reader import TableReader, TopologyError, describe, synt
 
 __all__ = ["STAGE_NAMES", "DTYPES", "Limits", "Pipeline", "TopologyError", "load_topology", "parse_topology"]
 
-_STAGE_KEYS = ("kind", "replicas", "on", "host", "port", "data_port", "cores", "device", "outputs", "options")
+_STAGE_KEYS = ("kind", "replicas", "min_replicas", "on", "host", "port", "data_port", "cores", "device", "outputs", "options")
 _HOST_NAME = re.compile(r"[A-Za-z0-9_-]+")
 _WILDCARD_ADDRESSES = ("0.0.0.0", "::", "*", "[::]")
 
@@ -77,7 +78,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
         raise syntax_error(path, lines, e, text) from None
     r = TableReader(path, lines)
     r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "router", "speculative", "kv", "security",
-                             "hosts", "stages", "links"))
+                             "scaler", "hosts", "stages", "links"))
     engine = _engine(r, r.table(raw, "", "engine", ("mode", "kv_streaming", "chunked_prefill_tokens")))
     hosts = _hosts(r, raw)
     control = _control(r, raw, hosts)
@@ -93,6 +94,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
         engine=engine,
         router=_router(r, r.table(raw, "", "router", ("policy", "options"))),
         speculative=_speculative(r, r.table(raw, "", "speculative", [f.name for f in fields(SpeculativeConfig)])),
+        scaler=_scaler(r, r.table(raw, "", "scaler", [f.name for f in fields(ScalerConfig)])),
         kv=_kv(r, r.table(raw, "", "kv", [f.name for f in fields(KvConfig)]), path),
         security=_security(r, r.table(raw, "", "security", [f.name for f in fields(SecurityConfig)]), path),
         hosts=hosts,
@@ -367,6 +369,7 @@ def _stage(r: TableReader, name: str, t: dict[str, Any], mode: str, place: tuple
     replicas = r.integer(t, prefix, "replicas", 1, ge=1)
     config: dict[str, Any] = {
         "replicas": replicas,
+        "min_replicas": r.integer(t, prefix, "min_replicas", replicas, ge=1, le=replicas) if "min_replicas" in t else None,
         "placement": _placement(r, prefix, t, replicas, *place),
         "host": r.string(t, prefix, "host", "127.0.0.1", non_empty=True),
         "cores": _cores(r, f"{prefix}.cores", t.get("cores", [])),
@@ -429,6 +432,12 @@ def _speculative(r: TableReader, t: dict[str, Any]) -> SpeculativeConfig:
         probe_every=r.integer(t, "speculative", "probe_every", d.probe_every, ge=1),
         options=_table(r, t, "speculative", "options"),
     )
+
+
+def _scaler(r: TableReader, t: dict[str, Any]) -> ScalerConfig:
+    d = ScalerConfig()
+    values = {f.name: r.number(t, "scaler", f.name, getattr(d, f.name), gt=0) for f in fields(ScalerConfig)}
+    return ScalerConfig(**values)
 
 
 def _router(r: TableReader, t: dict[str, Any]) -> RouterConfig:

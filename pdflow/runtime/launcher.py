@@ -60,6 +60,7 @@ from pdflow.runtime.bus import (
 )
 from pdflow.runtime.process import StageLaunch
 from pdflow.runtime.process import main as stage_main
+from pdflow.runtime.scaling import ScalingLauncher
 from pdflow.security.curve import PipelineAuthenticator
 from pdflow.security.keys import LAUNCHER, PipelineKeys, pipeline_keys
 
@@ -82,6 +83,10 @@ class _Replica:
     restarts: int = 0
     restart_at: float | None = None
     in_flight: int = 0
+    heard_at: float = 0.0  # its latest heartbeat
+    parked: bool = False  # a scaled stage's slot with no process (pdflow.runtime.scaling)
+    joining: bool = False  # started by the scaler, not ready yet
+    draining_since: float | None = None  # the scaler stops it once it holds no request
     stats: dict = field(default_factory=dict)
     notes: dict = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
@@ -137,7 +142,7 @@ def this_host(topology: Pipeline, host: str | None) -> str:
 BACKENDS = ("process", "ray")
 
 
-class Launcher:
+class Launcher(ScalingLauncher):
     """``backend``: "process" (replicas are processes of this machine: those ``host`` names, or
     all in a one-host pipeline) or "ray" (every replica is a Ray actor on the node its host
     names: :mod:`pdflow.runtime.ray_backend`; this launcher supervises them all)."""
@@ -162,6 +167,7 @@ class Launcher:
         watched = topology.replicas() if self.supervising else topology.replicas(self.host)
         mine = (lambda key: True) if backend == "ray" else (lambda key: topology.host_name_of(*key) == self.host)
         self.replicas = {key: _Replica(*key, local=mine(key), host=topology.host_name_of(*key)) for key in watched}
+        self._park_spare_slots()
         self.stop_requested = asyncio.Event()
         self.fatal: str | None = None  # why the pipeline cannot run (a protocol mismatch): stop now
         self._encode = Framing(FROM_LAUNCHER).encode
@@ -223,7 +229,8 @@ class Launcher:
             loop.add_signal_handler(sig, self.stop_requested.set)
         try:
             for rep in self.local:
-                self._start(rep)
+                if not rep.parked:
+                    self._start(rep)
             if not self.supervising:
                 return await self._run_host()
             status = await self._supervise() if await self._wait_ready() else 1
@@ -291,6 +298,7 @@ class Launcher:
             return
         rep.last_seen = time.monotonic()
         if isinstance(message, Heartbeat):
+            rep.heard_at = rep.last_seen
             rep.in_flight = message.in_flight
             rep.stats, rep.notes = message.stats, message.notes
         elif isinstance(message, ProtocolRefused):
@@ -303,7 +311,7 @@ class Launcher:
                 return
             if rep.ready and not rep.local and message.pid != rep.pid:  # restarted there before it was missed
                 await self._announce_down(rep, f"restarted on host {rep.host} (pid {rep.pid} -> {message.pid})")
-            rep.ready, rep.pid = True, message.pid
+            rep.ready, rep.pid, rep.joining = True, message.pid, False
             log.info("stage.ready", stage=self._name(rep), pid=message.pid,
                      seconds=round(time.monotonic() - rep.started_at, 2), **({"host": rep.host} if rep.host else {}))
             if rep.down:
@@ -317,17 +325,17 @@ class Launcher:
         deadline = time.monotonic() + self.topology.limits.ready_timeout_s
         while time.monotonic() < deadline and not self.stop_requested.is_set():
             await self._drain_inbox(_TICK_S)
-            if all(rep.ready for rep in self.replicas.values()):
+            if all(rep.ready or rep.parked for rep in self.replicas.values()):
                 self._print_status("ready")
                 return True
-            dead = [rep for rep in self.local if not rep.process.is_alive()]
+            dead = [rep for rep in self.local if rep.process is not None and not rep.process.is_alive()]
             if dead:
                 for rep in dead:
                     log.error("stage.start_failed", stage=self._name(rep), exitcode=rep.process.exitcode,
                               hint="its traceback is above")
                 return False
         missing = ", ".join(self._name(r) + (f" (on host {r.host})" if not r.local else "")
-                            for r in self.replicas.values() if not r.ready)
+                            for r in self.replicas.values() if not r.ready and not r.parked)
         if not self.stop_requested.is_set():
             log.error("launcher.ready_timeout", not_ready=missing,
                       timeout_s=self.topology.limits.ready_timeout_s,
@@ -345,7 +353,10 @@ class Launcher:
             if now >= next_status:
                 await self._publish_status()
                 next_status = now + _STATUS_EVERY_S
+            await self._scale(now)
             for rep in self.replicas.values():
+                if rep.parked:
+                    continue
                 if not rep.local:  # its host's launcher restarts it; here only its silence tells
                     if rep.ready and now - rep.last_seen > limits.heartbeat_timeout_s:
                         await self._announce_down(rep, f"no heartbeat for {now - rep.last_seen:.1f} s "
@@ -370,7 +381,13 @@ class Launcher:
         return 0
 
     def _state(self, rep: _Replica) -> str:
-        return "ready" if rep.ready else ("restarting" if rep.restart_at or rep.down else "starting")
+        if rep.parked:
+            return "parked"
+        if rep.ready:
+            return "draining" if rep.draining_since is not None else "ready"
+        if rep.restart_at or rep.down:
+            return "restarting"
+        return "joining" if rep.joining else "starting"
 
     async def _publish_status(self) -> None:
         for rep in self.replicas.values():
@@ -405,6 +422,9 @@ class Launcher:
     async def _on_death(self, rep: _Replica, reason: str) -> bool:
         name = self._name(rep)
         await self._announce_down(rep, reason)
+        if rep.draining_since is not None:  # the scaler was stopping it anyway: its requests migrate
+            await self._park(rep, f"died while draining ({reason})")
+            return True
         if rep.restarts >= self.topology.limits.max_restarts:
             log.error("stage.gave_up", stage=name, restarts=rep.restarts,
                       hint="limits.max_restarts reached; stopping every stage")

@@ -40,6 +40,9 @@ from pdflow.serving.metrics import CONTENT_TYPE
 from pdflow.serving.openapi import install_openapi, route_doc
 
 
+# a replica in one of these states is as it should be (the scaler's parked, draining and joining
+# ones included); any other (starting, restarting) makes /health degraded
+SERVING_STATES = ("ready", "parked", "draining", "joining")
 _OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 
 
@@ -91,7 +94,7 @@ def build_app(ingress) -> FastAPI:
         down = sorted(f"{stage}-{replica}" for stage, replica in ingress.down)
         stages = ingress.stage_status
         all_ready = len(stages) == len(ingress.pipeline.replicas()) and all(
-            s["state"] == "ready" for s in stages.values()
+            s["state"] in SERVING_STATES for s in stages.values()
         )
         ok = ingress.accepting and not down and all_ready
         body = {"status": "ok" if ok else "degraded", "down": down, "in_flight": len(ingress.requests),

@@ -18,6 +18,7 @@ The metric names are listed in ``docs/design.md`` ("Metrics"); ``pdflow top`` re
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -36,6 +37,7 @@ _STORE_COUNTERS = {"lookups": "lookups", "hits": "hits", "hit_tokens": "hit toke
                    "commits": "commits"}
 _STORE_GAUGES = {"bytes_used": ("memory", "used"), "bytes_total": ("memory", "capacity"),
                  "disk_bytes_used": ("disk", "used"), "disk_bytes_capacity": ("disk", "capacity")}
+_RECENT = 20_000  # samples kept for window_p90
 _SENT_PREFIX = "kv_sent_bytes@"  # kv_sent_bytes@<peer stage>: see Stage.link_stats
 
 
@@ -64,6 +66,9 @@ class ServingMetrics:
         self.in_flight = Gauge("pdflow_requests_in_flight", "Requests ingress holds now.", registry=r)
         self.in_flight.set_function(lambda: len(ingress.requests))
         r.register(_StageCollector(ingress))
+        # the latest TTFTs and token gaps with when they were seen, for the scaler's p90s (window_p90)
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=_RECENT)
+        self.recent_tbt: deque[tuple[float, float]] = deque(maxlen=_RECENT)
 
     # --- what ingress calls ------------------------------------------------------------------
 
@@ -76,11 +81,13 @@ class ServingMetrics:
         if pending.first_token_at is None:
             pending.first_token_at = now
             self.ttft.observe(now - pending.received)
+            self.recent_ttft.append((now, now - pending.received))
             new -= 1  # the first token's wait is TTFT, not a gap
         elif new > 0:
             gap = (now - pending.last_token_at) / new
             for _ in range(new):
                 self.tbt.observe(gap)
+            self.recent_tbt.append((now, gap))
         pending.last_token_at = now
         self.generation_tokens.inc(completion_tokens - pending.counted_tokens)
         pending.counted_tokens = completion_tokens
@@ -97,6 +104,17 @@ class ServingMetrics:
 
     def refusal(self, status: int) -> None:
         self.refused.labels(str(status)).inc()
+
+    def window_p90(self, window_s: float, now: float | None = None) -> dict[str, int]:
+        """The p90 TTFT and time between tokens (µs) of what was seen in the last ``window_s``
+        (for ingress's heartbeat, which the scaler reads); a figure is left out when nothing was."""
+        since = (time.monotonic() if now is None else now) - window_s
+        out = {}
+        for key, recent in (("ttft_p90_us", self.recent_ttft), ("tbt_p90_us", self.recent_tbt)):
+            values = sorted(v for at, v in recent if at >= since)
+            if values:
+                out[key] = int(values[min(len(values) - 1, int(0.9 * len(values)))] * 1e6)
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

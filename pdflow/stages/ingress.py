@@ -56,6 +56,7 @@ from pdflow.stages.kv_admin import KvAdminIngress
 from pdflow.stages.migration import MigratingIngress
 
 _TIMELINES_KEPT = 1000
+UNROUTED_STATES = ("parked", "draining", "joining")  # the scaler's states: up or not, take no new request
 
 
 @dataclass(slots=True, eq=False)
@@ -104,6 +105,7 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         self.served_name = self.pipeline.model.served_name
         self.timelines: OrderedDict[str, dict] = OrderedDict()
         self.down: set[tuple[str, int]] = set()
+        self.unrouted: set[tuple[str, int]] = set()  # the scaler's: parked, draining or joining (not down)
         self.stage_status: dict[str, dict] = {}  # "decode-0" -> the launcher's latest StageStatus
         self.reported: dict[tuple[str, int], int] = {}  # (stage, replica) -> in flight, from heartbeats
         self.assigned: Counter[tuple[str, int]] = Counter()  # (stage, replica) -> our requests there now
@@ -127,6 +129,9 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
 
     async def teardown(self) -> None:
         self.prompts.close()
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), **self.metrics.window_p90(self.pipeline.scaler.window_s)}
 
     def may_act(self, sender, message, request_id: str) -> bool:
         allowed = self.senders.get(type(message))
@@ -182,7 +187,7 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         ids = self.hasher.ids(prompt_ids) if self.holdings is not None else None
         for name in self.routed:
             replicas = [
-                ReplicaStatus(i, (name, i) not in self.down, self.reported.get((name, i), 0), self.assigned[(name, i)],
+                ReplicaStatus(i, (name, i) not in self.down and (name, i) not in self.unrouted, self.reported.get((name, i), 0), self.assigned[(name, i)],
                               self._cached_tokens(name, i, ids))
                 for i in range(self.pipeline.stages[name].replicas)
             ]
@@ -309,6 +314,10 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         if stage is None:
             return
         self.reported[(message.stage, message.replica)] = message.in_flight
+        if message.state in UNROUTED_STATES:
+            self.unrouted.add((message.stage, message.replica))
+        else:
+            self.unrouted.discard((message.stage, message.replica))
         self.stage_status[f"{stage.display_name}-{message.replica}"] = {
             "state": message.state, "pid": message.pid, "in_flight": message.in_flight,
             "restarts": message.restarts, **({"stats": message.stats} if message.stats else {}),
