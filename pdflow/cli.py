@@ -227,6 +227,10 @@ def _run(args) -> int:
     from pdflow.models import ModelError, resolve
     from pdflow.security import SecretError, pipeline_keys
 
+    if args.backend == "process":
+        from pdflow.runtime.launcher import prepare_stage_processes
+
+        prepare_stage_processes()
     topology = _load(args.topology)
     try:
         if args.backend == "ray":

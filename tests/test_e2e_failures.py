@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -194,3 +195,19 @@ def test_sigterm_stops_the_whole_tree_within_10_s(client, server):
     assert server.proc.returncode == 0
     assert not [pid for pid in pids if faults.alive(pid)], "stage processes outlived the launcher"
     assert not worker.is_alive() and outcome, "the in-flight request hung"
+
+
+def test_kill_9_of_the_launcher_takes_every_stage_and_the_fork_server_with_it(tmp_path):
+    """Stages are forked by a fork server that outlives the launcher while any of them lives:
+    each stage watches the launcher itself, so none is orphaned, and the fork server goes too."""
+    with PdflowServer(tmp_path, mode="colocated") as running:
+        pids = list(running.stage_pids().values())
+        launcher = running.proc.pid
+        children = [int(p) for p in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()]
+        os.kill(launcher, signal.SIGKILL)
+        running.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(faults.alive(pid) for pid in pids + children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(pids) == 2 and not [pid for pid in pids if faults.alive(pid)], "stages outlived the launcher"
+        assert not [pid for pid in children if faults.alive(pid)], "the fork server outlived the launcher"

@@ -137,8 +137,7 @@ def test_a_burst_adds_replicas_that_serve_and_quiet_parks_them_with_every_answer
 
     # bursts of 8 at a time on one decode replica: 8 > 3 per replica, so it starts decode-1
     answers = asyncio.run(load(until_decode_1_is_ready))
-    assert any(s.get("decode-1") == "joining" for s in seen)  # started, and not routed to until ready
-    assert _states(server)["decode-1"] == "ready"
+    assert _states(server)["decode-1"] == "ready"  # (it joins in well under a second: forked ready-made)
 
     # with both ready, a burst uses both
     def steps(replica: str) -> float:
@@ -163,5 +162,6 @@ def test_a_burst_adds_replicas_that_serve_and_quiet_parks_them_with_every_answer
     for question, answer in answers:
         assert answer == alone[question], question
     log = server.log()
-    assert "scaler.up" in log and "scaler.down" in log and "scaler.parked" in log
+    assert "scaler.up" in log and "requests per replica > 3" in log
+    assert "scaler.down" in log and "scaler.parked" in log
     assert "stage.died" not in log

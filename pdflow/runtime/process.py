@@ -1,6 +1,6 @@
-"""The one entry point of every stage process (started by the launcher with ``spawn``).
+"""The one entry point of every stage process (forked by the launcher's fork server, or ``spawn``).
 
-The launcher hands each process the pipeline description itself (pickled by ``spawn``), not a
+The launcher hands each process the pipeline description itself (pickled), not a
 path to re-read: a pipeline built in code runs as processes just like one from a topology file.
 """
 
@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import select
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,20 +34,38 @@ class StageLaunch:
     log_format: str = "console"
     log_level: str = "info"
     keys: StageKeys | None = None  # this replica's (None: the pipeline runs without authentication)
+    launcher_pid: int | None = None  # forked by the launcher's fork server: the launcher to die with
 
     @property
     def bus_keys(self) -> StageKeys | None:
         return self.keys if self.pipeline.security.authenticate else None
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills us when the launcher dies, so no stage is ever orphaned."""
+def _die_with_parent(launcher_pid: int | None) -> None:
+    """Linux: the kernel kills us when our parent dies, so no stage is ever orphaned. A stage
+    forked by the launcher's fork server has that server as its parent, which outlives the
+    launcher while any stage lives: such a stage also watches the launcher itself (a pidfd,
+    readable once it exits) and dies with it."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
-    if os.getppid() == 1:  # the launcher died before prctl took effect
+    if os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
+    if launcher_pid is None or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # the launcher is already gone
+        os._exit(1)
+    except OSError:
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def _pin(cores: tuple[int, ...]) -> None:
@@ -59,7 +79,7 @@ def _pin(cores: tuple[int, ...]) -> None:
 
 
 def main(launch: StageLaunch) -> None:
-    _die_with_parent()
+    _die_with_parent(launch.launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the stage installs its own handlers
     from pdflow.log import configure_logging
 
