@@ -133,13 +133,16 @@ def test_a_pipeline_counts_what_it_served_and_top_shows_it(request):
     def grew(name: str, **labels) -> float:
         return now.value(name, **labels) - before.value(name, **labels)
 
-    deadline = time.monotonic() + 15  # the stages' own counters come with their next heartbeat
-    while True:
-        now = scrape()
-        if grew("pdflow_kv_sent_bytes_total", stage="prefill", peer="kv-shuttle") > 0 and \
-                grew("pdflow_decode_steps_total") > 0 or time.monotonic() > deadline:
-            break
+    def reported() -> bool:  # the stages' own counters come with their next heartbeats
+        return grew("pdflow_kv_sent_bytes_total", stage="prefill", peer="kv-shuttle") > 0 and \
+            grew("pdflow_kv_sent_bytes_total", stage="kv-shuttle", peer="decode") > 0 and \
+            grew("pdflow_decode_steps_total") > 0 and grew("pdflow_kv_store_lookups_total", stage="kv-shuttle") >= 3
+
+    deadline = time.monotonic() + 15
+    now = scrape()
+    while not reported() and time.monotonic() < deadline:
         time.sleep(0.3)
+        now = scrape()
     assert grew("pdflow_requests_total", outcome="finished") == 3
     assert grew("pdflow_time_to_first_token_seconds_count") == 3
     assert grew("pdflow_e2e_request_latency_seconds_count") == 3

@@ -78,7 +78,7 @@ def test_scaler_settings_and_bounds_in_a_topology():
     base = Path(__file__).parents[1] / "topology.toml"
     text = base.read_text()
     scaled = parse_topology(text.replace("[stages.decode]\nreplicas = 1", "[stages.decode]\nreplicas = 4\n"
-                                         "min_replicas = 2", 1) + "\n[scaler]\ncooldown_s = 30\n", base)
+                                         "min_replicas = 2", 1).replace("cooldown_s = 10.0", "cooldown_s = 30", 1), base)
     decode = scaled.stages["decode"]
     assert decode.scaled and decode.floor == 2 and decode.replicas == 4 and scaled.scaler.cooldown_s == 30
     assert not scaled.stages["prefill"].scaled and scaled.stages["prefill"].floor == 1
@@ -90,6 +90,6 @@ def test_scaler_settings_and_bounds_in_a_topology():
         with pytest.raises(TopologyError, match=message):
             parse_topology(text.replace(f"{stage}\nreplicas = 1", bad, 1), base)
     with pytest.raises(TopologyError, match=r"scaler.up_after_s: expected a number > 0"):
-        parse_topology(text + "\n[scaler]\nup_after_s = -1\n", base)
+        parse_topology(text.replace("up_after_s = 3.0", "up_after_s = -1", 1), base)
     with pytest.raises(TopologyError, match=r"scaler.cooldown: unknown key 'cooldown'; did you mean 'cooldown_s'"):
-        parse_topology(text + "\n[scaler]\ncooldown = 1\n", base)
+        parse_topology(text.replace("cooldown_s = 10.0", "cooldown = 1", 1), base)

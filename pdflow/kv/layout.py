@@ -18,10 +18,9 @@ from types import SimpleNamespace
 import torch
 
 from pdflow.kv.checksum import checksum
+from pdflow.kv.kinds import KEYS, VALUES
 
 __all__ = ["KEYS", "VALUES", "KvLayout", "checksum", "dtype_name", "torch_dtype"]
-
-KEYS, VALUES = 0, 1
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -22,11 +22,12 @@ their length and never reads past it; a codec's parameters travel in chunk heade
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+from pdflow.kv.kinds import KEYS, VALUES
 
-from pdflow.kv.layout import KEYS, VALUES
+if TYPE_CHECKING:  # torch is imported where KV is encoded, not where a topology is checked
+    import torch
 
 __all__ = ["KEYS", "VALUES", "KvCodec"]
 
@@ -121,7 +122,7 @@ class KvCodec:
                                             kind, layer).reshape(-1))
         if rest:
             parts.append(self.encode_blocks(chunk[full * block_tokens :][None], kind, layer).reshape(-1))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return parts[0] if len(parts) == 1 else torch_module().cat(parts)
 
     def decode_run(self, data: torch.Tensor | memoryview | bytes, kind: int, out: torch.Tensor, block_tokens: int,
                    layer: int = 0) -> None:
@@ -134,7 +135,7 @@ class KvCodec:
         if data.numel() != want:
             raise ValueError(f"{self.spec} encoding of {tokens} tokens is {want} bytes, got {data.numel()}")
         if _overlaps(data, out):  # copied with numpy: torch's clone may wake its thread pool (ms)
-            data = torch.from_numpy(data.numpy().copy())
+            data = torch_module().from_numpy(data.numpy().copy())
         full, rest = divmod(tokens, block_tokens)
         step = self.encoded_bytes(block_tokens, kind, kv_heads, head_dim, out.element_size(), layer)
         if full:
@@ -144,7 +145,15 @@ class KvCodec:
             self.decode_blocks(data[full * step :][None], kind, out[full * block_tokens :][None], layer)
 
 
+def torch_module():
+    """torch, imported on first use (checking a topology needs the codecs, not torch)."""
+    import torch
+
+    return torch
+
+
 def _as_bytes(data: torch.Tensor | memoryview | bytes) -> torch.Tensor:
+    torch = torch_module()
     if isinstance(data, torch.Tensor):
         return data.reshape(-1).view(torch.uint8)
     view = memoryview(data).cast("B")
