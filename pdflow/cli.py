@@ -222,15 +222,11 @@ def _validate(args) -> int:
 def _run(args) -> int:
     import uvloop
 
-    from pdflow.runtime.launcher import HostError, Launcher, this_host
+    from pdflow.runtime.launcher import HostError, Launcher, prepare_stage_processes, this_host
     from pdflow.log import configure_logging
     from pdflow.models import ModelError, resolve
     from pdflow.security import SecretError, pipeline_keys
 
-    if args.backend == "process":
-        from pdflow.runtime.launcher import prepare_stage_processes
-
-        prepare_stage_processes()
     topology = _load(args.topology)
     try:
         if args.backend == "ray":
@@ -243,6 +239,7 @@ def _run(args) -> int:
                 raise HostError(problem)
         else:
             this_host(topology, args.host)
+            prepare_stage_processes()  # its imports overlap the key derivation and the model's resolution
     except HostError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
