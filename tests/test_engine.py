@@ -8,7 +8,7 @@ import torch
 from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
 from pdflow.messages import SamplingParams
 
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 PROMPTS = [
     "What is the capital of France?",
     "hi",

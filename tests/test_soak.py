@@ -16,7 +16,7 @@ from pdflow.testing import faults
 
 pytestmark = pytest.mark.e2e
 
-REQUESTS = int(os.environ.get("PDFLOW_SOAK_REQUESTS", "40"))
+REQUESTS = int(os.environ.get("PDFLOW_SOAK_REQUESTS", "30"))
 RSS_DRIFT_KB = 64 * 1024  # per stage: allocator arenas settle; a leak of a request's state would not
 EXTRA_THREADS = 2
 EXTRA_FDS = 8
