@@ -151,7 +151,9 @@ async def load(url: str, opts) -> list[dict]:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.ensure_future(one(client, prompt(rng, opts.prompt_words), opts.max_tokens,
                                                    time.monotonic(), t0)))
-    return list(await asyncio.gather(*tasks))
+    records = list(await asyncio.gather(*tasks))
+    await client.close()
+    return records
 
 
 def watch(url: str, t0: float, stop: threading.Event, samples: list) -> None:
@@ -203,7 +205,7 @@ def run_one(name: str, prefill: tuple[int, int], decode: tuple[int, int], opts) 
         time.sleep(opts.linger)  # the scaled run: see it come back down
         stop.set()
         watcher.join()
-        log = server.log()
+        log = server.log_path.read_text(errors="replace")  # all of it (server.log() keeps the tail)
     events = [line for line in log.splitlines() if "scaler." in line]
     summary = summarize(name, records, opts)
     say(f"| {name} | {summary['requests']} | {summary['failed']} | {summary['attainment']:.0%} | "

@@ -1,7 +1,8 @@
 """The adaptive scaler's policy: from what the pipeline measures, one replica more or fewer.
 
 The launcher calls :meth:`Scaler.decide` every ``scaler.interval_s`` with a :class:`Load`: each
-scaled stage's running replicas and the requests they hold (from their heartbeats), and the
+scaled stage's running replicas and their work (prefill: requests held; decode: sequences in
+its batch; from their heartbeats), and the
 TTFT and TBT p90 of the last ``scaler.window_s`` (ingress's heartbeat reports them). It answers
 +1 or -1 per stage; the launcher starts a parked replica or drains one (no new requests; stopped
 once it holds none). The policy itself keeps only time: since when a stage has been hot or cold,
@@ -24,7 +25,7 @@ from pdflow.config.pipeline import ScalerConfig
 class StageLoad:
     kind: str  # "prefill" or "decode": which latency it answers for
     running: int  # replicas that take requests (ready, not draining)
-    in_flight: int  # requests they hold
+    in_flight: int  # their work: requests prefill holds, sequences in decode's batch
     lowest: int  # the fewest it may run
     highest: int  # the most
 

@@ -70,7 +70,7 @@ class ScalingLauncher:
                 continue
             live = [r for r in self.replicas.values() if r.stage == name and not r.parked]
             running = [r for r in live if r.draining_since is None]
-            stages[name] = StageLoad(cfg.kind_name, len(running), sum(r.in_flight for r in running), cfg.floor,
+            stages[name] = StageLoad(cfg.kind_name, len(running), sum(_work(r) for r in running), cfg.floor,
                                      cfg.replicas)
         said = self.replicas[("ingress", 0)].stats
         ttft, tbt = said.get("ttft_p90_us"), said.get("tbt_p90_us")
@@ -109,6 +109,13 @@ class ScalingLauncher:
         log.info("scaler.parked", stage=self._name(rep), reason=why)
         self._print_status(f"scaler: {self._name(rep)} parked ({why})")
         await self._publish_status()
+
+
+def _work(rep) -> int:
+    """The requests a replica is working on: for decode, its batch (its requests in flight also
+    count those still in prefill, whose KV has not come: more decode replicas would not help
+    them); for prefill, all it holds (its queue)."""
+    return rep.stats.get("batch_size", rep.in_flight)
 
 
 async def _reap(process, grace_s: float = 5.0) -> None:
