@@ -146,10 +146,10 @@ def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_b
     load = faults.Load(server.url, clients=3, abort_ratio=0.2, max_tokens=12, bound_s=40).start()
     old = []
     try:
-        time.sleep(3)
+        time.sleep(2)
         old.append(faults.kill9(server, "kv-shuttle-0"))
         assert faults.wait_replaced(server, "kv-shuttle-0", old[-1], 120) is not None, server.log()
-        time.sleep(2)
+        time.sleep(1)
         old.append(faults.freeze(server, "prefill-0", 12))  # heartbeat_timeout_s = 10 on this server
         assert faults.wait_replaced(server, "prefill-0", old[-1], 120) is not None, server.log()
         time.sleep(2)

@@ -31,7 +31,7 @@ def test_a_link_that_drops_corrupts_and_stalls_loses_no_request(faulty):
     load = faults.Load(faulty.url, clients=4, abort_ratio=0.15, slow_ratio=0.2, max_tokens=10,
                        bound_s=TIMEOUT_S + 15).start()
     try:
-        time.sleep(10)
+        time.sleep(7)
     finally:
         outcomes = load.stop()
     counts = load.counts()

@@ -271,10 +271,11 @@ class ScalerConfig:
     scaled stage's load (stages with ``min_replicas`` below ``replicas``) against the SLOs and
     starts or drains one replica. A stage is *hot* when its latency p90 over the last
     ``window_s`` is past its SLO (prefill: TTFT; decode: TBT) or its work per running replica
-    (prefill: requests held; decode: sequences in its batch) is past ``*_queue_per_replica``; *cold* when its latency is under half the
-    SLO and one replica fewer would stay under half the queue bound. Hot for ``up_after_s``: one
-    more; cold for ``down_after_s``: one fewer (drained first); then, for ``cooldown_s``, that
-    stage neither changes nor gathers evidence (a new replica takes a while to load)."""
+    (prefill: requests held; decode: sequences in its batch) is past ``*_queue_per_replica``;
+    *cold* when its latency is under half the SLO and one replica fewer would stay under half
+    that bound. Hot for ``up_after_s``: one more; cold for ``down_after_s``: one fewer (drained
+    first); then, for ``cooldown_s``, that stage neither changes nor gathers evidence (the load a
+    new replica takes off shows only later)."""
 
     interval_s: float = 1.0
     window_s: float = 10.0

@@ -115,7 +115,7 @@ def stage_processes() -> multiprocessing.context.BaseContext:
 
 
 def prepare_stage_processes() -> None:
-    """Start the fork server now (its imports take seconds), while the caller reads the topology."""
+    """Start the fork server now (its imports take seconds), while the caller derives keys and finds the model."""
     if stage_processes().get_start_method() == "forkserver":
         from multiprocessing import forkserver
 

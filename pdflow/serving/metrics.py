@@ -38,7 +38,7 @@ _STORE_COUNTERS = {"lookups": "lookups", "hits": "hits", "hit_tokens": "hit toke
 _STORE_GAUGES = {"bytes_used": ("memory", "used"), "bytes_total": ("memory", "capacity"),
                  "disk_bytes_used": ("disk", "used"), "disk_bytes_capacity": ("disk", "capacity")}
 _RECENT = 20_000  # samples kept for window_p90
-_SENT_PREFIX = "kv_sent_bytes@"  # kv_sent_bytes@<peer stage>: see Stage.link_stats
+_SENT_PREFIX = "kv_sent_bytes@"  # kv_sent_bytes@<peer stage>: see Stage.sent_stats
 
 
 class ServingMetrics:

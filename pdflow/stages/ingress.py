@@ -186,8 +186,10 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         picked = {"ingress": self.replica}
         ids = self.hasher.ids(prompt_ids) if self.holdings is not None else None
         for name in self.routed:
+            routable = [(name, i) not in self.down and (name, i) not in self.unrouted
+                        for i in range(self.pipeline.stages[name].replicas)]
             replicas = [
-                ReplicaStatus(i, (name, i) not in self.down and (name, i) not in self.unrouted, self.reported.get((name, i), 0), self.assigned[(name, i)],
+                ReplicaStatus(i, routable[i], self.reported.get((name, i), 0), self.assigned[(name, i)],
                               self._cached_tokens(name, i, ids))
                 for i in range(self.pipeline.stages[name].replicas)
             ]
