@@ -2,8 +2,8 @@
 
 The launcher calls :meth:`Scaler.decide` every ``scaler.interval_s`` with a :class:`Load`: each
 scaled stage's running replicas and their work (prefill: requests held; decode: sequences in
-its batch; from their heartbeats), and the
-TTFT and TBT p90 of the last ``scaler.window_s`` (ingress's heartbeat reports them). It answers
+its batch; from their heartbeats), and the TTFT and TBT p90 of the last ``scaler.window_s``
+(ingress's heartbeat reports them). It answers
 +1 or -1 per stage; the launcher starts a parked replica or drains one (no new requests; stopped
 once it holds none). The policy itself keeps only time: since when a stage has been hot or cold,
 and when it last changed (see :class:`~pdflow.config.pipeline.ScalerConfig` for the rules).
@@ -24,8 +24,8 @@ from pdflow.config.pipeline import ScalerConfig
 @dataclass(frozen=True, slots=True)
 class StageLoad:
     kind: str  # "prefill" or "decode": which latency it answers for
-    running: int  # replicas that take requests (ready, not draining)
-    in_flight: int  # their work: requests prefill holds, sequences in decode's batch
+    running: int  # replicas neither parked nor draining (one still loading counts: it is not started twice)
+    work: int  # theirs: requests prefill holds, sequences in decode's batch
     lowest: int  # the fewest it may run
     highest: int  # the most
 
@@ -77,12 +77,12 @@ class Scaler:
             latency, slo, bound, what = load.ttft_p90_s, c.ttft_slo_ms / 1e3, c.prefill_queue_per_replica, "TTFT"
         else:
             latency, slo, bound, what = load.tbt_p90_s, c.tbt_slo_ms / 1e3, c.decode_queue_per_replica, "TBT"
-        per_replica = sl.in_flight / max(sl.running, 1)
+        per_replica = sl.work / max(sl.running, 1)
         if latency is not None and latency > slo:
             return True, False, f"{what} p90 {latency * 1e3:.0f} ms > SLO {slo * 1e3:.0f} ms"
         if per_replica > bound:
             return True, False, f"{per_replica:.1f} requests per replica > {bound:g}"
-        fewer = sl.in_flight / max(sl.running - 1, 1)
+        fewer = sl.work / max(sl.running - 1, 1)
         cold = (latency is None or latency < slo / 2) and fewer < bound / 2
         latency_words = "no requests" if latency is None else f"{what} p90 {latency * 1e3:.0f} ms"
-        return False, cold, f"{latency_words}, {sl.in_flight} in flight on {sl.running}"
+        return False, cold, f"{latency_words}, load {sl.work} on {sl.running}"
