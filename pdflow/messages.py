@@ -14,13 +14,14 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 10  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+PROTOCOL_VERSION = 11  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
 # 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked);
 # 5: tokens straight to ingress, decode's KV destinations in pool slots; 6: KV computed and attended in the
 # store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore); 7: the disk tier (KvExpected.keep_s, PlanWanted,
 # KvForget, heartbeat notes); 8: KV codecs (KvChunkHeader.codec, codec_block: an older receiver would take encoded
 # bytes for KV); 9: KvDestination slots of -1 (blocks a structural codec drops), DecodeRequest.prompt_ids
-# (speculative decoding); 10: several hosts (ReplicaExited, from a host's launcher), KvHoldings
+# (speculative decoding); 10: several hosts (ReplicaExited, from a host's launcher), KvHoldings; 11: a prefix
+# fetched from another store (Route.fetch_from, KvFetch, KvFetched)
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -48,6 +49,9 @@ class Route(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Which replica of each stage serves one request (chosen by ingress's router), by stage name."""
 
     replicas: dict[str, int] = {}
+    # a replica of a KV-keeping stage (by stage name) that holds more of the prompt's prefix than
+    # the one on the route: the one on the route fetches it from there rather than recomputing it
+    fetch_from: dict[str, int] = {}
 
     def of(self, stage: str) -> int:
         """The replica of ``stage`` on this route (0 for a stage the route does not name)."""
@@ -332,6 +336,35 @@ class KvHoldings(Message):
     removed: bytes = b""
 
 
+class KvFetch(Message):
+    """kv-shuttle -> another replica of it (named in the request's ``Route.fetch_from``): write
+    the blocks of ``prompt_ids`` from block ``first_block`` on that your store holds into my
+    arena's ``slots`` (one per block from ``first_block``; ``num_slots`` slots, ``region`` at
+    ``address``), as chunks of request ``fetch_id``, then answer :class:`KvFetched`. ``stage``
+    and ``replica``: who asks; taken only from that replica."""
+
+    fetch_id: str
+    stage: str
+    replica: int
+    prompt_ids: list[int]
+    first_block: int
+    address: str
+    region: int
+    num_slots: int
+    slots: list[int]
+
+
+class KvFetched(Message):
+    """kv-shuttle -> the replica that sent :class:`KvFetch`: the first ``blocks`` blocks asked
+    for are written (their chunks all sent; 0: none held, or the writes failed). ``stage`` and
+    ``replica``: who answers; taken only from that replica."""
+
+    fetch_id: str
+    stage: str
+    replica: int
+    blocks: int
+
+
 class ReplicaExited(Message):
     """a host's launcher -> the supervising launcher (a pipeline on several hosts): the process
     of a replica on its host exited; it restarts it (or, past ``max_restarts``, gives up)."""
@@ -420,6 +453,8 @@ ControlMessage = (
     | KvForget
     | KvForgotten
     | KvHoldings
+    | KvFetch
+    | KvFetched
     | DecodeRequest
     | EgressRequest
     | KvDestination
@@ -445,7 +480,8 @@ ALL_MESSAGES: tuple[type, ...] = ControlMessage.__args__  # type: ignore[attr-de
 LAUNCHER_MESSAGES: tuple[type, ...] = (Ready, Heartbeat, StageFailed, ProtocolRefused,  # stage -> launcher
                                        ReplicaExited)  # a host's launcher -> the supervising one
 INGRESS_ONLY: tuple[type, ...] = (KvForget,)  # not about one request, and taken from ingress only
-SELF_REPORTS: tuple[type, ...] = (KvHoldings,)  # about the replica it names, and taken from that replica only
+# about (or from) the replica it names, and taken from that replica only
+SELF_REPORTS: tuple[type, ...] = (KvHoldings, KvFetch, KvFetched)
 
 
 

@@ -6,7 +6,9 @@ topology's one prefill is), two kv-shuttle replicas (two stores, each holding wh
 it), one decode (core 1); a scaled replay of Mooncake's
 conversation trace (`pdflow bench serve --dataset trace`), each policy in turn (the order rotating
 from repetition to repetition, so none always runs on a fresher machine). Reported per run: the
-cached share of prompt tokens (the hit ratio), TTFT p50 and p99, goodput under the SLOs; then each
+cached share of prompt tokens (the hit ratio), the blocks stores fetched from each other (cache_aware:
+a request sent to a store that holds less of its prefix than another fetches the rest from that one;
+cache_aware_no_fetch: it recomputes it), TTFT p50 and p99, goodput under the SLOs; then each
 policy's goodput over round robin's, per repetition and as their median.
 
     .venv/bin/python scripts/experiment_routing.py --out bench-results/routing
@@ -22,6 +24,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from pdflow.bench.experiments import Report, bench, figure
@@ -29,13 +32,20 @@ from pdflow.testing.server import SECRET_ENV, PdflowServer
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
-POLICIES = ("round_robin", "least_loaded", "cache_aware")
+# name -> (router policy, its options)
+ROUTERS = {"round_robin": ("round_robin", {}), "least_loaded": ("least_loaded", {}),
+           "cache_aware": ("cache_aware", {}),  # a store fetches a prefix another one holds
+           "cache_aware_no_fetch": ("cache_aware", {"fetch_tokens_per_s": 0})}
+POLICIES = ("round_robin", "least_loaded", "cache_aware_no_fetch", "cache_aware")
 REPORT = Report()
 say = REPORT.say
 PORTS = 15
 
 
-def topology(policy: str, block_tokens: int, request_timeout_s: float):
+def topology(name: str, block_tokens: int, request_timeout_s: float):
+    policy, options = ROUTERS[name]
+    options = ", ".join(f"{key} = {value!r}" for key, value in options.items())
+
     def text(base: int) -> str:
         return f"""
 [model]
@@ -57,6 +67,7 @@ request_timeout_s = {request_timeout_s}
 
 [router]
 policy = "{policy}"
+options = {{ {options} }}
 
 [kv]
 block_tokens = {block_tokens}
@@ -86,7 +97,7 @@ cores = [1]
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("bench-results/routing"))
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"of {', '.join(ROUTERS)}")
     p.add_argument("--conversations", type=int, default=40, help="conversations sampled from the trace")
     p.add_argument("--token-scale", type=float, default=0.03125, help="trace lengths (and 512-token blocks) times this")
     p.add_argument("--time-scale", type=float, default=16, help="replay this many times faster than the trace")
@@ -103,6 +114,9 @@ def part_routing(opts, out: Path) -> None:
     from pdflow.bench.workloads import WorkloadSpec, block_size, reusable_fraction, trace_rows
 
     policies = opts.policies.split(",")
+    unknown = [name for name in policies if name not in ROUTERS]
+    if unknown:
+        raise SystemExit(f"--policies: {', '.join(unknown)} not one of {', '.join(ROUTERS)}")
     block = block_size(opts.token_scale)
     argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--token-scale", str(opts.token_scale),
             "--time-scale", str(opts.time_scale), "--sample-conversations", str(opts.conversations),
@@ -116,9 +130,9 @@ def part_routing(opts, out: Path) -> None:
         f"{reusable_fraction(rows):.1%}. Two prefill and two kv-shuttle replicas, one decode; SLOs TTFT <= "
         f"{opts.slo_ttft:.0f} ms, TBT <= {opts.slo_tbt:.0f} ms (`pdflow bench serve " + " ".join(argv) + "`).")
     say()
-    say("| run | policy | requests ok / failed | cached / prompt tokens | TTFT p50 (ms) | TTFT p99 (ms) | "
-        "goodput (req/s) | goodput / round robin |")
-    say("|---:|---|---:|---:|---:|---:|---:|---:|")
+    say("| run | policy | requests ok / failed | cached / prompt tokens | blocks fetched (failed fetches) | "
+        "TTFT p50 (ms) | TTFT p99 (ms) | goodput (req/s) | goodput / round robin |")
+    say("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     results: list[dict[str, dict]] = []
     for run in range(opts.repeats):
         order = policies[run % len(policies):] + policies[:run % len(policies)]
@@ -127,13 +141,19 @@ def part_routing(opts, out: Path) -> None:
             with tempfile.TemporaryDirectory() as tmp, \
                     PdflowServer(Path(tmp), topology=topology(policy, block, 900), ports=PORTS) as server:
                 got[policy] = bench(server.url, out / f"routing-{policy}-{run}.json", argv)["runs"][0]["metrics"]
+                time.sleep(1.5)  # a heartbeat after the last request
+                stats = [info.get("stats", {}) for name, info in (server.health() or {}).get("stages", {}).items()
+                         if name.startswith("kv_shuttle")]
+                got[policy]["fetched_blocks"] = sum(s.get("peer_fetched_blocks", 0) for s in stats)
+                got[policy]["fetches_failed"] = sum(s.get("peer_fetches_failed", 0) for s in stats)
         results.append(got)
         for policy in policies:
             m = got[policy]
             base = got.get("round_robin", {}).get("goodput")
             ratio = f"{m['goodput'] / base:.2f}x" if base else "-"
             hit = f"{m['cache']['hit_ratio']:.1%}" if m["cache"]["reported"] else "-"
-            say(f"| {run + 1} | {policy} | {m['completed']} / {m['failed']} | {hit} | {figure(m['ttft_ms']['p50'])} "
+            say(f"| {run + 1} | {policy} | {m['completed']} / {m['failed']} | {hit} | "
+                f"{m['fetched_blocks']} ({m['fetches_failed']}) | {figure(m['ttft_ms']['p50'])} "
                 f"| {figure(m['ttft_ms']['p99'])} | {m['goodput']:.3f} | {ratio} |")
     (out / "routing.json").write_text(json.dumps(results))
     say()

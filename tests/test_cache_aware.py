@@ -10,6 +10,7 @@ import pytest
 
 from pdflow.kv.holdings import Holdings, Journal, pack_ids, short_id, unpack_ids
 from pdflow.routing import ReplicaStatus, RoutingRequest, create
+from pdflow.routing.policies import CacheAwareRouter
 
 
 def test_a_journal_nets_out_what_came_and_went_between_drains() -> None:
@@ -87,22 +88,67 @@ def test_the_router_weighs_what_a_replica_holds_against_its_load() -> None:
         create("cache_aware", {"prefill_tokens_per_s": 0})
 
 
-def test_a_conversation_stays_on_the_kv_shuttle_that_holds_it():
-    """Two kv-shuttle replicas, two conversations of three turns: every later turn reads its
-    prefix from the store (cached tokens reported), because the router sends it where the earlier
-    turns' KV is (round robin would send the second turn to the other store: nothing cached)."""
+def test_the_router_counts_a_prefix_another_store_holds_as_fetched_not_recomputed() -> None:
+    """With fetching, a busy holder's prefix is still worth having: the request goes to the idle
+    store, which fetches it (100 tokens/s of prefill against 10,000 of fetching); without
+    fetching, or where a store holds no more than the one picked, nothing is fetched."""
+    request = RoutingRequest("r", list(range(300)))
+    busy, idle = ReplicaStatus(0, in_flight=2, cached_tokens=256), ReplicaStatus(1, cached_tokens=64)
+    fetching = create("cache_aware", {"prefill_tokens_per_s": 100, "queue_s": 0.5, "fetch_tokens_per_s": 10_000})
+    assert fetching.route("kv_shuttle", request, [busy, idle]) == 1  # 1.44 s against 0.46 s
+    assert fetching.fetch_from("kv_shuttle", request, 1, [busy, idle]) == 0
+    assert fetching.fetch_from("kv_shuttle", request, 0, [busy, idle]) is None  # it holds the most
+    recomputing = create("cache_aware", {"prefill_tokens_per_s": 100, "queue_s": 0.5, "fetch_tokens_per_s": 0})
+    assert recomputing.route("kv_shuttle", request, [busy, idle]) == 0  # 1.44 s against 2.36 s
+    assert recomputing.fetch_from("kv_shuttle", request, 1, [busy, idle]) is None
+    assert create("round_robin").fetch_from("kv_shuttle", request, 1, [busy, idle]) is None
+
+
+class _AwayRouter(CacheAwareRouter):
+    """For the test: every request to the kv-shuttle replica that holds the least of its prefix,
+    told to fetch it from the one that holds the most (``lie``: from one that holds nothing)."""
+
+    def __init__(self, lie: bool = False) -> None:
+        super().__init__()
+        self.lie = lie
+
+    def pick(self, stage, request, replicas):
+        if stage != "kv_shuttle":
+            return super().pick(stage, request, replicas)
+        return min(replicas, key=lambda r: (r.cached_tokens or 0, r.replica)).replica
+
+    def fetch_from(self, stage, request, picked, replicas):
+        if self.lie:
+            return next((r.replica for r in replicas if r.replica != picked and not r.cached_tokens), None)
+        return super().fetch_from(stage, request, picked, replicas)
+
+
+def _conversations(router, replicas: int = 2, silent: int | None = None, **options):
+    """Two conversations of three turns through ``replicas`` kv-shuttle replicas routed by
+    ``router``: per turn (turn, prompt tokens, cached tokens, answer), and each store's stats.
+    ``silent``: a replica that does not answer the first fetch it is asked for."""
     from pdflow import LocalPipeline, Pipeline
     from pdflow.testing.server import free_port_base
 
-    pipeline = (Pipeline.default().with_stage_config("kv_shuttle", replicas=2).with_router("cache_aware")
+    pipeline = (Pipeline.default().with_stage_config("kv_shuttle", replicas=replicas).with_router(router, **options)
                 .with_ports(free_port_base()))
 
     async def main():
         import openai
 
         async with LocalPipeline(pipeline) as running:
+            if silent is not None:
+                store = running.stage("kv_shuttle", silent)
+                serve, ignored = store._serve_fetch, []
+
+                async def once_silent(message):
+                    if ignored:
+                        await serve(message)
+                    ignored.append(message)
+
+                store._serve_fetch = once_silent
             client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
-            cached = []
+            turns = []
             for first in ("Describe the sea.", "Describe a forest."):
                 messages = [{"role": "user", "content": first}]
                 for turn in range(3):
@@ -110,16 +156,60 @@ def test_a_conversation_stays_on_the_kv_shuttle_that_holds_it():
                         model="smollm2", messages=messages, temperature=0, max_tokens=70,
                         extra_body={"ignore_eos": True})
                     details = reply.usage.prompt_tokens_details
-                    cached.append((turn, reply.usage.prompt_tokens, details.cached_tokens if details else 0))
-                    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                                 {"role": "user", "content": "Say more."}]
+                    answer = reply.choices[0].message.content
+                    turns.append((turn, reply.usage.prompt_tokens, details.cached_tokens if details else 0, answer))
+                    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Say more."}]
                     await asyncio.sleep(0.6)  # the stores report a few times a second
-            return cached
+            return turns, [running.stage("kv_shuttle", i).stats() for i in range(replicas)]
 
-    cached = asyncio.run(main())
-    for turn, prompt_tokens, hit in cached:
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def staying():
+    return _conversations("cache_aware", fetch_tokens_per_s=0)  # never fetching
+
+
+def _prefix_hit(turns) -> None:
+    for turn, prompt_tokens, hit, _ in turns:
         if turn:  # the earlier turns' prompt and answer, in whole 64-token blocks
-            assert hit >= (prompt_tokens - 90) // 64 * 64 and hit > 0, cached
+            assert hit >= (prompt_tokens - 90) // 64 * 64 and hit > 0, turns
+
+
+def test_a_conversation_stays_on_the_kv_shuttle_that_holds_it(staying):
+    """Two kv-shuttle replicas, two conversations of three turns: every later turn reads its
+    prefix from the store (cached tokens reported), because the router sends it where the earlier
+    turns' KV is (round robin would send the second turn to the other store: nothing cached).
+    (Fetching is off here: the answers below are compared with these, read from their holder.)"""
+    turns, stats = staying
+    _prefix_hit(turns)
+    assert sum(s["peer_fetches"] for s in stats) == 0
+
+
+def test_a_turn_routed_away_from_its_prefix_fetches_it_from_the_store_that_holds_it(staying):
+    """Every turn sent to the store that holds the least of its prefix (the router's choice, as
+    when the holder is busy): the store fetches the prefix from the one that holds it instead of
+    recomputing it, so every later turn still reports its prefix cached, the answers are the
+    answers read from the holder (the fetched blocks are the holder's bytes), and the stores
+    count the blocks they fetched and served."""
+    turns, stats = _conversations(_AwayRouter)
+    _prefix_hit(turns)
+    assert [t[3] for t in turns] == [t[3] for t in staying[0]]
+    fetched = sum(s["peer_fetched_blocks"] for s in stats)
+    assert fetched == sum(s["peer_served_blocks"] for s in stats) > 0
+    assert sum(s["peer_fetches"] for s in stats) == 4 and sum(s["peer_fetches_failed"] for s in stats) == 0
+    assert all(s["peer_fetched_blocks"] > 0 for s in stats)  # both ways: each turn goes to the other store
+
+
+def test_a_store_named_to_fetch_from_that_lacks_the_prefix_or_never_answers_leaves_it_to_prefill(staying):
+    """Ingress's picture is a few hundred ms old: the store it names may have evicted the
+    prefix (it answers that it wrote nothing), or be gone (no answer: given up after a timeout).
+    Either way the turn is computed whole, and its answer is the same."""
+    turns, stats = _conversations(_AwayRouter, replicas=3, silent=2, lie=True)
+    assert [t[3] for t in turns] == [t[3] for t in staying[0]]
+    asked, failed = sum(s["peer_fetches"] for s in stats), sum(s["peer_fetches_failed"] for s in stats)
+    assert sum(s["peer_fetched_blocks"] for s in stats) == 0
+    assert 1 == failed < asked  # the one not answered timed out; the others were answered "none"
 
 
 def test_blocks_a_routed_request_computes_count_as_held_until_it_ends() -> None:

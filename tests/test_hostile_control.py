@@ -31,6 +31,7 @@ from pdflow.messages import (
     PROTOCOL_VERSION,
     Cancel,
     Heartbeat,
+    KvFetch,
     KvHoldings,
     PrefillRequest,
     Route,
@@ -236,6 +237,9 @@ def test_forged_messages_cannot_touch_another_client_s_request(server):
         shuttle.send("ingress/0", framing.encode(Tokens(request_id, 1, [1, 2, 3])))  # kv-shuttle sends no tokens
         # a store's holdings come from that store only
         decode.send("ingress/0", framing.encode(KvHoldings("kv_shuttle", 0, 0, True, b"\x00" * 8)))
+        # and a store's prefix goes only to another replica of the store that asks for it itself
+        decode.send("kv_shuttle/0", framing.encode(KvFetch("x:fetch", "kv_shuttle", 0, [1] * 128, 0,
+                                                           "tcp://127.0.0.1:9", 0, 4, [0, 1])))
         thread.join(60)
     finally:
         shuttle.close()
@@ -243,5 +247,5 @@ def test_forged_messages_cannot_touch_another_client_s_request(server):
     lines = result["lines"]
     assert lines[-1] == "data: [DONE]" and "INJECTED" not in "".join(lines)
     assert any('"finish_reason":"length"' in line for line in lines)
-    assert _settle(server, "control_forged", forged_before + 3) >= forged_before + 4
+    assert _settle(server, "control_forged", forged_before + 4) >= forged_before + 5
 

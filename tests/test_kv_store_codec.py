@@ -117,6 +117,18 @@ def test_chunks_go_into_the_arena_encoded_and_out_of_it_as_they_are_held():
     assert torch.equal(blocks[1, VALUES, 2], _through(c, values[1][16:32], VALUES))
     with pytest.raises(ValueError, match="own bytes"):
         list(between_slots("r", pool, target.numpy().data.cast("B"), 1, (KEYS,), [0], 0, 4, store, [0], 4))
+    # into another store's arena (a prefix fetched from a peer): whole blocks, as their encodings
+    peer = torch.zeros(store.nbytes, dtype=torch.uint8)
+    for header, data in between_slots("r", store, memory.numpy().data.cast("B"), 1, (KEYS, VALUES), slots[:2], 0,
+                                      2 * BT, store, [5, 0], 0):
+        assert header.codec == "int8" and header.nbytes == data.nbytes
+        peer[header.offset: header.offset + header.nbytes] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for kind in (KEYS, VALUES):
+        for src, dst in ((2, 5), (3, 0)):
+            at, to, n = store.offset(1, kind, src), store.offset(1, kind, dst), store.span(kind)
+            assert torch.equal(peer[to: to + n], memory[at: at + n])
+    with pytest.raises(ValueError, match="whole blocks"):  # a partial block has no encoding of its own
+        list(between_slots("r", store, memory.numpy().data.cast("B"), 1, (KEYS,), slots, 0, 37, store, [5, 0, 1], 0))
 
 
 def test_the_disk_tier_keeps_the_encodings(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from pdflow.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Cancel, DecodeRequest, EgressRequest, Heartbeat, Hello,
-    KvChunkHeader, KvDestination, KvExpected, KvForget, KvForgotten, KvHoldings, KvPlan, KvInPlace, PlanWanted, KvInStore, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
+    KvChunkHeader, KvDestination, KvExpected, KvFetch, KvFetched, KvForget, KvForgotten, KvHoldings, KvPlan, KvInPlace, PlanWanted, KvInStore, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
     PrefixDestination,
     ProtocolMismatch, ProtocolRefused, Ready, ReplicaExited, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
     StageStatus, StageUp, StopRequest, TextDelta, Tokens, check_hello, decoder, encoder,
@@ -73,6 +73,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     ReplicaExited: [ReplicaExited("decode", 1, "exited with status 1", True)],
     KvHoldings: [KvHoldings("kv_shuttle", 0, 0, True, bytes(range(16))),
                  KvHoldings("kv_shuttle", 1, 7, False, b"", bytes(8))],
+    KvFetch: [KvFetch("req-1:fetch", "kv_shuttle", 1, [1, 2, 3] * 64, 2, "tcp://10.0.0.2:7001", 0, 512, [7, 8, 40])],
+    KvFetched: [KvFetched("req-1:fetch", "kv_shuttle", 0, 1), KvFetched("req-2:fetch", "kv_shuttle", 0, 0)],
     StageDown: [StageDown("kv_shuttle", 0, "exited with status -9")],
     StageUp: [StageUp("kv_shuttle", 0)],
     StageStatus: [StageStatus("decode", 0, "restarting", 4244, 3, 2),
@@ -178,10 +180,10 @@ def test_wire_format_is_an_array_tagged_with_the_class_name() -> None:
             if not isinstance(value, msgspec.Struct | tuple):
                 assert item == value, (type(message).__name__, field.name)
     route_map = {"ingress": 0, "prefill": 1, "kv_shuttle": 2, "decode": 3, "egress": 1}
-    assert msgspec.msgpack.decode(encoder().encode(ROUTE)) == [route_map]
+    assert msgspec.msgpack.decode(encoder().encode(ROUTE)) == [route_map, {}]
     raw = msgspec.msgpack.decode(encoder().encode(SAMPLES[PrefillRequest][1]))
     assert raw[:3] == ["PrefillRequest", "req-2", list(range(500))]
-    assert raw[3][:5] == [64, 0.7, 0.9, 40, 1234] and raw[4] == [route_map]
+    assert raw[3][:5] == [64, 0.7, 0.9, 40, 1234] and raw[4] == [route_map, {}]
 
 
 def test_older_and_newer_peers_still_decode() -> None:
@@ -212,7 +214,7 @@ def test_field_order_is_pinned() -> None:
     assert _names(SamplingParams) == [
         "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
     ]
-    assert _names(Route) == ["replicas"]
+    assert _names(Route) == ["replicas", "fetch_from"]
     assert _names(Hello) == ["protocol_version", "stage", "replica", "pid"]
     assert _names(TextDelta) == ["request_id", "text", "completion_tokens", "finish_reason", "timeline",
                                  "cached_tokens", "token_ids", "draft_proposed", "draft_accepted"]
@@ -220,6 +222,9 @@ def test_field_order_is_pinned() -> None:
     assert _names(DecodeRequest) == ["request_id", "prompt_len", "sampling", "route", "prompt_ids"]
     assert _names(ReplicaExited) == ["stage", "replica", "reason", "restarting"]
     assert _names(KvHoldings) == ["stage", "replica", "seq", "full", "added", "removed"]
+    assert _names(KvFetch) == ["fetch_id", "stage", "replica", "prompt_ids", "first_block", "address", "region",
+                               "num_slots", "slots"]
+    assert _names(KvFetched) == ["fetch_id", "stage", "replica", "blocks"]
 
 
 def test_appended_fields_have_defaults() -> None:

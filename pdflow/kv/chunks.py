@@ -70,10 +70,12 @@ def between_slots(request_id: str, src: ArenaLayout, memory: memoryview, layer: 
     starts at ``first_token + i * block_tokens``; ``first_token`` block-aligned) into slots of
     ``dst``, region ``region`` (``dst_slots[j]``: block *j* of the request; negative: a block the
     receiver does not want, which is skipped): one chunk per run of blocks whose slots are
-    consecutive on both sides."""
+    consecutive on both sides. Into an encoded ``dst`` only whole blocks of a ``src`` encoded
+    alike (another store's arena) go, as their encodings."""
     bt, kv = src.block_tokens, src.kv
-    if dst.encoded:
-        raise ValueError("chunks between slots go into an arena that keeps the KV's own bytes")
+    if dst.encoded and not (src.encoded and src.codec.spec == dst.codec.spec and end_token % bt == 0):
+        raise ValueError("chunks between slots go into an arena that keeps the KV's own bytes, or whole blocks "
+                         "into one that keeps them in the same encoding")
     if dst.block_tokens != bt:
         raise ValueError(f"blocks of {bt} tokens cannot go into blocks of {dst.block_tokens}")
     first_block = first_token // bt

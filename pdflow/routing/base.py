@@ -52,6 +52,12 @@ class Router(ABC):
         """The replica (its ``replica`` number) of ``stage`` that serves ``request``, one of
         ``replicas`` (never empty, all healthy)."""
 
+    def fetch_from(self, stage: str, request: RoutingRequest, picked: int, replicas: list[ReplicaStatus]) -> int | None:
+        """For the stage that keeps KV, once ``picked`` is chosen among ``replicas`` (the healthy
+        ones): another replica it should fetch the prompt's prefix from, rather than compute what
+        it lacks of it, or None (the default: never)."""
+        return None
+
     def route(self, stage: str, request: RoutingRequest, replicas: list[ReplicaStatus]) -> int:
         """What ingress calls: only the healthy replicas are offered to :meth:`pick`, and its
         answer is checked."""

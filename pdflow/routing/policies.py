@@ -43,29 +43,51 @@ class PowerOfTwoRouter(Router):
 class CacheAwareRouter(Router):
     """Where the KV already is (Mooncake's Conductor, in small): for the stage that keeps KV
     (kv-shuttle), the replica with the least estimated time to first token, ``in flight x
-    queue_s`` plus the prefill of the prompt's tokens it does not hold at ``prefill_tokens_per_s``
-    (a prefix it holds is read, not recomputed); for every other stage (and where no store has
-    reported yet), the least loaded. ``prefill_tokens_per_s``: this CPU's SmolLM2 prefill
-    (docs/benchmarks.md); ``queue_s``: what one more request in flight there adds to a request's
-    wait (kv-shuttle's own work per request is small: a lookup and a transfer)."""
+    queue_s`` plus the prefill of the prompt's tokens it cannot have from a store at
+    ``prefill_tokens_per_s``, plus fetching the part of the prefix another replica holds and it
+    does not at ``fetch_tokens_per_s`` (a prefix held is read, not recomputed; 0: no fetching,
+    only a replica's own prefix counts); for every other stage (and where no store has reported
+    yet), the least loaded.
+
+    ``prefill_tokens_per_s``: this CPU's SmolLM2 prefill (docs/benchmarks.md); ``queue_s``: what
+    one more request in flight there adds to a request's wait (kv-shuttle's own work per request
+    is small: a lookup and a transfer); ``fetch_tokens_per_s``: SmolLM2's KV (45 KiB a token in
+    fp32) between two stores over tcp on one host, measured at ~1 GB/s (docs/benchmarks.md).
+    The replica picked fetches from the one that holds the most when it holds more
+    (:meth:`fetch_from`) and fetching is the faster way."""
 
     uses_holdings = True
 
-    def __init__(self, prefill_tokens_per_s: float = 400.0, queue_s: float = 0.05) -> None:
-        for name, value in (("prefill_tokens_per_s", prefill_tokens_per_s), ("queue_s", queue_s)):
+    def __init__(self, prefill_tokens_per_s: float = 400.0, queue_s: float = 0.05,
+                 fetch_tokens_per_s: float = 20000.0) -> None:
+        for name, value in (("prefill_tokens_per_s", prefill_tokens_per_s), ("queue_s", queue_s),
+                            ("fetch_tokens_per_s", fetch_tokens_per_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
                     or value == float("inf"):
                 raise ValueError(f"cache_aware router: {name} must be a number >= 0, got {value!r}")
         if prefill_tokens_per_s == 0:
             raise ValueError("cache_aware router: prefill_tokens_per_s must be > 0")
-        self.rate, self.queue_s = float(prefill_tokens_per_s), float(queue_s)
+        self.rate, self.queue_s, self.fetch_rate = float(prefill_tokens_per_s), float(queue_s), float(fetch_tokens_per_s)
 
-    def estimate_s(self, request: RoutingRequest, replica: ReplicaStatus) -> float:
-        """Seconds to the first token through ``replica``, as far as the choice of it changes them."""
-        uncached = max(0, len(request.prompt_ids) - (replica.cached_tokens or 0))
-        return replica.load * self.queue_s + uncached / self.rate
+    def _fetches(self, own: int, held: int) -> bool:
+        """Is fetching ``held - own`` tokens faster than computing them?"""
+        return held > own and self.fetch_rate > self.rate
+
+    def estimate_s(self, request: RoutingRequest, replica: ReplicaStatus, held: int = 0) -> float:
+        """Seconds to the first token through ``replica``, as far as the choice of it changes them
+        (``held``: the most of the prompt's prefix any replica holds)."""
+        own = replica.cached_tokens or 0
+        fetched = held - own if self._fetches(own, held) else 0
+        uncached = max(0, len(request.prompt_ids) - own - fetched)
+        return replica.load * self.queue_s + uncached / self.rate + (fetched / self.fetch_rate if fetched else 0.0)
 
     def pick(self, stage: str, request: RoutingRequest, replicas: list[ReplicaStatus]) -> int:
         if all(r.cached_tokens is None for r in replicas):
             return min(replicas, key=lambda r: (r.load, r.replica)).replica
-        return min(replicas, key=lambda r: (self.estimate_s(request, r), r.load, r.replica)).replica
+        held = max(r.cached_tokens or 0 for r in replicas)
+        return min(replicas, key=lambda r: (self.estimate_s(request, r, held), r.load, r.replica)).replica
+
+    def fetch_from(self, stage: str, request: RoutingRequest, picked: int, replicas: list[ReplicaStatus]) -> int | None:
+        own = next((r.cached_tokens or 0 for r in replicas if r.replica == picked), 0)
+        holder = max(replicas, key=lambda r: (r.cached_tokens or 0, -r.load, -r.replica))
+        return holder.replica if holder.replica != picked and self._fetches(own, holder.cached_tokens or 0) else None

@@ -21,7 +21,8 @@ before any handler runs, for every message with a ``request_id``:
   ingress cancels. Anything else is dropped and counted (``forged``), so no process can act on
   a request that is not its own. A message about no one request that only ingress may send
   (``INGRESS_ONLY``: a KV forget) is likewise dropped from anyone else, and a report about a
-  replica (``SELF_REPORTS``: a store's holdings) from anyone but that replica.
+  replica (``SELF_REPORTS``: a store's holdings, a prefix fetched between stores) from anyone but
+  that replica.
 """
 
 from __future__ import annotations

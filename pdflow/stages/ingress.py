@@ -183,7 +183,7 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
 
     def _route(self, request_id: str, prompt_ids: list[int]) -> Route:
         request = RoutingRequest(request_id, prompt_ids)
-        picked = {"ingress": self.replica}
+        picked, fetch_from = {"ingress": self.replica}, {}
         ids = self.hasher.ids(prompt_ids) if self.holdings is not None else None
         for name in self.routed:
             routable = [(name, i) not in self.down and (name, i) not in self.unrouted
@@ -203,7 +203,11 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
                                type="server_error") from None
             if ids is not None and name in self.keeps_kv:
                 self.holdings.expect(request_id, name, picked[name], ids)  # its prompt's blocks go there
-        return Route(picked)
+                healthy = [r for r in replicas if r.healthy]
+                peer = self.router.fetch_from(name, request, picked[name], healthy)
+                if peer is not None and peer != picked[name] and any(r.replica == peer for r in healthy):
+                    fetch_from[name] = peer  # (a router's answer that is not another healthy replica: none)
+        return Route(picked, fetch_from)
 
     def _cached_tokens(self, stage: str, replica: int, ids: list[int] | None) -> int | None:
         """Tokens of the prompt (block ``ids``) whose KV ``replica`` of ``stage`` holds, as it last
