@@ -143,7 +143,7 @@ def part_routing(opts, out: Path) -> None:
                 got[policy] = bench(server.url, out / f"routing-{policy}-{run}.json", argv)["runs"][0]["metrics"]
                 time.sleep(1.5)  # a heartbeat after the last request
                 stats = [info.get("stats", {}) for name, info in (server.health() or {}).get("stages", {}).items()
-                         if name.startswith("kv_shuttle")]
+                         if "shuttle" in name]
                 got[policy]["fetched_blocks"] = sum(s.get("peer_fetched_blocks", 0) for s in stats)
                 got[policy]["fetches_failed"] = sum(s.get("peer_fetches_failed", 0) for s in stats)
         results.append(got)
