@@ -13,6 +13,11 @@ policy's goodput over round robin's, per repetition and as their median.
 
     .venv/bin/python scripts/experiment_routing.py --out bench-results/routing
     .venv/bin/python scripts/experiment_routing.py --time-scale 16 --repeats 2
+    .venv/bin/python scripts/experiment_routing.py --parts fetch   # a prefix fetched against computed
+
+Part fetch: prompts of --fetch-tokens tokens, each sent twice, once computed on one store and then,
+one token longer, on the other store, which fetches the prefix from the first: how long the fetch
+took (the store's log) against how long prefill took to compute it.
 
 Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json.
 """
@@ -28,70 +33,34 @@ import time
 from pathlib import Path
 
 from pdflow.bench.experiments import Report, bench, figure
-from pdflow.testing.server import SECRET_ENV, PdflowServer
+from pdflow.testing.server import PdflowServer, replicated_ports, replicated_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 # name -> (router policy, its options)
 ROUTERS = {"round_robin": ("round_robin", {}), "least_loaded": ("least_loaded", {}),
            "cache_aware": ("cache_aware", {}),  # a store fetches a prefix another one holds
-           "cache_aware_no_fetch": ("cache_aware", {"fetch_tokens_per_s": 0})}
+           "cache_aware_no_fetch": ("cache_aware", {"fetch_tokens_per_s": 0}),
+           # every request to the store holding least of its prefix, fetched from the other (part fetch)
+           "away": ("pdflow.testing.routers:AwayRouter", {})}
 POLICIES = ("round_robin", "least_loaded", "cache_aware_no_fetch", "cache_aware")
 REPORT = Report()
 say = REPORT.say
-PORTS = 15
+REPLICAS = {"prefill": 2, "kv_shuttle": 2, "decode": 1}
 
 
 def topology(name: str, block_tokens: int, request_timeout_s: float):
     policy, options = ROUTERS[name]
     options = ", ".join(f"{key} = {value!r}" for key, value in options.items())
-
-    def text(base: int) -> str:
-        return f"""
-[model]
-source = "smollm2"
-
-[server]
-port = {base}
-
-[control]
-port = {base + 1}
-
-[security]
-secret_env = "{SECRET_ENV}"
-
-[limits]
-ready_timeout_s = 300
-heartbeat_timeout_s = 10
-request_timeout_s = {request_timeout_s}
-
+    tables = f"""
 [router]
 policy = "{policy}"
 options = {{ {options} }}
 
 [kv]
 block_tokens = {block_tokens}
-
-[stages.ingress]
-port = {base + 3}
-
-[stages.prefill]
-replicas = 2
-port = {base + 4}
-data_port = {base + 10}
-cores = [0]
-
-[stages.kv_shuttle]
-replicas = 2
-port = {base + 6}
-data_port = {base + 12}
-
-[stages.decode]
-port = {base + 8}
-data_port = {base + 14}
-cores = [1]
 """
-    return text
+    return replicated_topology(REPLICAS, tables, limits={"request_timeout_s": request_timeout_s})
 
 
 def main() -> int:
@@ -105,9 +74,57 @@ def main() -> int:
     p.add_argument("--slo-tbt", type=float, default=500, help="ms")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=5)
+    p.add_argument("--parts", default="routing", help="routing, fetch (comma-separated)")
+    p.add_argument("--fetch-tokens", default="1024,2048,4096", help="prompt lengths of part fetch")
     opts = p.parse_args()
-    opts.parts = "routing"
-    return REPORT.run("Cache-aware routing", {"routing": part_routing}, opts)
+    return REPORT.run("Cache-aware routing", {"routing": part_routing, "fetch": part_fetch}, opts)
+
+
+def part_fetch(opts, out: Path) -> None:
+    import re
+
+    import httpx
+
+    lengths = [int(n) for n in opts.fetch_tokens.split(",")]
+    with tempfile.TemporaryDirectory() as tmp, \
+            PdflowServer(Path(tmp), topology=topology("away", 64, 900), ports=replicated_ports(REPLICAS)) as server:
+        rows = []
+        for n in lengths:
+            prompt = [(i * 7919 + n) % 40000 + 1000 for i in range(n)]  # plain token ids, no special tokens
+            for extra in (0, 1):  # computed on one store, then fetched by the other
+                reply = httpx.post(f"{server.url}/v1/completions", timeout=900, json={
+                    "model": "smollm2", "prompt": prompt + [5000] * extra, "max_tokens": 1, "temperature": 0}).json()
+                rows.append((n, extra, reply["id"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]))
+                time.sleep(1.0)  # the stores report what they hold
+        log = server.log_path.read_text()
+
+    def field(request_id: str, event: str, name: str) -> float | None:
+        for line in log.splitlines():
+            if event in line and request_id in line:
+                found = re.search(rf"\b{name}=([0-9.]+)", line)
+                return float(found.group(1)) if found else None
+        return None
+
+    say("Each prompt computed on one kv-shuttle replica's store, then sent one token longer to the other, "
+        "which fetches the prefix from the first (`pdflow.testing.routers:AwayRouter`; tcp, SmolLM2's fp32 KV, "
+        "64-token blocks): the fetch (the store's `store.fetched` log: asked to all blocks committed) against "
+        "prefill computing the same tokens.")
+    say()
+    say("| prompt tokens | prefill computing them (s) | blocks fetched | MB | fetch (ms) | tokens/s fetched | "
+        "fetch / compute |")
+    say("|---:|---:|---:|---:|---:|---:|---:|")
+    for n in lengths:
+        computed = next(r for r in rows if r[0] == n and r[1] == 0)
+        fetched = next(r for r in rows if r[0] == n and r[1] == 1)
+        prefill_s = field(computed[2], "prefill.done", "seconds")
+        ms, nbytes = field(fetched[2], "store.fetched", "ms"), field(fetched[2], "store.fetched", "bytes")
+        blocks = field(fetched[2], "store.fetched", "blocks")
+        if ms is None or not prefill_s:
+            say(f"| {n} | {figure(prefill_s, '.2f')} | - | - | - | - | - |  (cached {fetched[3]}: no fetch logged)")
+            continue
+        tokens = blocks * 64
+        say(f"| {n} | {prefill_s:.2f} | {blocks:.0f} | {nbytes / 1e6:.0f} | {ms:.0f} | {tokens / ms * 1e3:,.0f} | "
+            f"{ms / 1e3 / prefill_s:.3f} |")
 
 
 def part_routing(opts, out: Path) -> None:
@@ -139,7 +156,7 @@ def part_routing(opts, out: Path) -> None:
         got = {}
         for policy in order:
             with tempfile.TemporaryDirectory() as tmp, \
-                    PdflowServer(Path(tmp), topology=topology(policy, block, 900), ports=PORTS) as server:
+                    PdflowServer(Path(tmp), topology=topology(policy, block, 900), ports=replicated_ports(REPLICAS)) as server:
                 got[policy] = bench(server.url, out / f"routing-{policy}-{run}.json", argv)["runs"][0]["metrics"]
                 time.sleep(1.5)  # a heartbeat after the last request
                 stats = [info.get("stats", {}) for name, info in (server.health() or {}).get("stages", {}).items()

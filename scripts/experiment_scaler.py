@@ -36,37 +36,17 @@ import httpx
 import openai
 
 from pdflow.bench.experiments import Report, figure
-from pdflow.testing.server import SECRET_ENV, PdflowServer
+from pdflow.testing.server import PdflowServer, replicated_ports, replicated_topology
 
 REPORT = Report()
 say = REPORT.say
-PORTS = 20
 WORDS = ("river stone lamp orbit cedar violet harbor signal meadow copper lantern glacier whisper "
          "canyon ember falcon tundra quartz monsoon saddle").split()
 
 
 def topology(prefill: tuple[int, int], decode: tuple[int, int], opts):
     """``prefill`` and ``decode``: (min, max) replicas (equal: fixed)."""
-    def text(base: int) -> str:
-        return f"""
-[model]
-source = "smollm2"
-
-[server]
-port = {base}
-
-[control]
-port = {base + 1}
-
-[security]
-secret_env = "{SECRET_ENV}"
-
-[limits]
-ready_timeout_s = 300
-heartbeat_timeout_s = 10
-request_timeout_s = 300
-max_queued_requests = 1024
-
+    tables = f"""
 [router]
 policy = "least_loaded"
 
@@ -80,36 +60,10 @@ decode_queue_per_replica = {opts.decode_queue}
 up_after_s = 3.0
 down_after_s = 15.0
 cooldown_s = 10.0
-
-[stages.ingress]
-port = {base + 3}
-[stages.prefill]
-replicas = {prefill[1]}
-min_replicas = {prefill[0]}
-port = {base + 4}
-data_port = {base + 8}
-cores = [0]
-[stages.kv_shuttle]
-port = {base + 12}
-data_port = {base + 13}
-[stages.decode]
-replicas = {decode[1]}
-min_replicas = {decode[0]}
-port = {base + 14}
-data_port = {base + 17}
-cores = [1]
-
-[[links]]
-src = "prefill"
-dst = "kv_shuttle"
-transport = "tcp"
-
-[[links]]
-src = "kv_shuttle"
-dst = "decode"
-transport = "tcp"
 """
-    return text
+    return replicated_topology({"prefill": prefill[1], "decode": decode[1]}, tables,
+                               min_replicas={"prefill": prefill[0], "decode": decode[0]},
+                               limits={"request_timeout_s": 300, "max_queued_requests": 1024})
 
 
 def prompt(rng: random.Random, words: int) -> str:
@@ -194,7 +148,8 @@ def summarize(name: str, records: list[dict], opts) -> dict:
 
 def run_one(name: str, prefill: tuple[int, int], decode: tuple[int, int], opts) -> tuple[dict, list, list, list]:
     with tempfile.TemporaryDirectory() as tmp, \
-            PdflowServer(Path(tmp), topology=topology(prefill, decode, opts), ports=PORTS,
+            PdflowServer(Path(tmp), topology=topology(prefill, decode, opts),
+                         ports=replicated_ports({"prefill": prefill[1], "decode": decode[1]}),
                          startup_timeout_s=400) as server:
         samples: list = []
         stop = threading.Event()

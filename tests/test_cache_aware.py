@@ -10,7 +10,7 @@ import pytest
 
 from pdflow.kv.holdings import Holdings, Journal, pack_ids, short_id, unpack_ids
 from pdflow.routing import ReplicaStatus, RoutingRequest, create
-from pdflow.routing.policies import CacheAwareRouter
+from pdflow.testing.routers import AwayRouter
 
 
 def test_a_journal_nets_out_what_came_and_went_between_drains() -> None:
@@ -104,25 +104,6 @@ def test_the_router_counts_a_prefix_another_store_holds_as_fetched_not_recompute
     assert create("round_robin").fetch_from("kv_shuttle", request, 1, [busy, idle]) is None
 
 
-class _AwayRouter(CacheAwareRouter):
-    """For the test: every request to the kv-shuttle replica that holds the least of its prefix,
-    told to fetch it from the one that holds the most (``lie``: from one that holds nothing)."""
-
-    def __init__(self, lie: bool = False) -> None:
-        super().__init__()
-        self.lie = lie
-
-    def pick(self, stage, request, replicas):
-        if stage != "kv_shuttle":
-            return super().pick(stage, request, replicas)
-        return min(replicas, key=lambda r: (r.cached_tokens or 0, r.replica)).replica
-
-    def fetch_from(self, stage, request, picked, replicas):
-        if self.lie:
-            return next((r.replica for r in replicas if r.replica != picked and not r.cached_tokens), None)
-        return super().fetch_from(stage, request, picked, replicas)
-
-
 def _conversations(router, replicas: int = 2, silent: int | None = None, **options):
     """Two conversations of three turns through ``replicas`` kv-shuttle replicas routed by
     ``router``: per turn (turn, prompt tokens, cached tokens, answer), and each store's stats.
@@ -192,7 +173,7 @@ def test_a_turn_routed_away_from_its_prefix_fetches_it_from_the_store_that_holds
     recomputing it, so every later turn still reports its prefix cached, the answers are the
     answers read from the holder (the fetched blocks are the holder's bytes), and the stores
     count the blocks they fetched and served."""
-    turns, stats = _conversations(_AwayRouter)
+    turns, stats = _conversations(AwayRouter)
     _prefix_hit(turns)
     assert [t[3] for t in turns] == [t[3] for t in staying[0]]
     fetched = sum(s["peer_fetched_blocks"] for s in stats)
@@ -205,7 +186,7 @@ def test_a_store_named_to_fetch_from_that_lacks_the_prefix_or_never_answers_leav
     """Ingress's picture is a few hundred ms old: the store it names may have evicted the
     prefix (it answers that it wrote nothing), or be gone (no answer: given up after a timeout).
     Either way the turn is computed whole, and its answer is the same."""
-    turns, stats = _conversations(_AwayRouter, replicas=3, silent=2, lie=True)
+    turns, stats = _conversations(AwayRouter, replicas=3, silent=2, lie=True)
     assert [t[3] for t in turns] == [t[3] for t in staying[0]]
     asked, failed = sum(s["peer_fetches"] for s in stats), sum(s["peer_fetches_failed"] for s in stats)
     assert sum(s["peer_fetched_blocks"] for s in stats) == 0

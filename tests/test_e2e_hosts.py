@@ -11,15 +11,12 @@ namespaces cannot be made (not root, no iproute2).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
+from pdflow.testing.hosts import Cluster, host_tables
 from pdflow.testing.netns import Namespaces, unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
@@ -29,7 +26,7 @@ QUESTION = "What is the capital of France?"
 
 
 def topology(net: Namespaces, secret_file: Path) -> str:
-    hosts = "\n".join(f'[hosts.{name}]\naddress = "{net.address(name)}"\nbind = "0.0.0.0"\n' for name in HOSTS)
+    hosts = host_tables(net, HOSTS)
     return f"""
 [model]
 source = "smollm2"
@@ -66,61 +63,10 @@ cores = [1]
 """
 
 
-class Cluster:
-    def __init__(self, net: Namespaces, workdir: Path):
-        from pdflow.security.keys import new_secret, write_secret_file
-
-        self.net, self.workdir = net, workdir
-        secret = workdir / "pipeline.key"
-        write_secret_file(secret, new_secret())
-        self.path = workdir / "topology.toml"
-        self.path.write_text(topology(net, secret))
-        self.launchers: dict[str, subprocess.Popen] = {}
-        self.url = f"http://{net.address('head')}:8000"
-
-    def start(self, host: str) -> None:
-        log = open(self.workdir / f"{host}.log", "ab")
-        pdflow = str(Path(sys.executable).parent / "pdflow")
-        self.launchers[host] = self.net.popen(host, [pdflow, "run", str(self.path), "--host", host],
-                                              stdout=log, stderr=subprocess.STDOUT)
-
-    def stop(self, host: str) -> None:
-        """The host goes away: its launcher and stages killed at once, nothing said to anyone."""
-        import os
-        import signal
-
-        proc = self.launchers.pop(host)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.workdir.glob("*.log"))
-
-    def health(self) -> tuple[int, dict]:
-        try:
-            r = httpx.get(f"{self.url}/health", timeout=5)
-            return r.status_code, r.json()
-        except (httpx.HTTPError, ValueError):
-            return 0, {}
-
-    def wait(self, predicate, what: str, timeout_s: float = 300) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            status, body = self.health()
-            if predicate(status, body):
-                return body
-            for host, proc in self.launchers.items():
-                if proc.poll() is not None:
-                    pytest.fail(f"the launcher of {host} exited with {proc.returncode} while waiting for {what}\n"
-                                f"{self.logs()}")
-            time.sleep(0.5)
-        pytest.fail(f"timed out waiting for {what}; last /health: {self.health()}\n{self.logs()}")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with Namespaces(HOSTS, bandwidth="10gbit") as net:
-        running = Cluster(net, tmp_path_factory.mktemp("hosts"))
+        running = Cluster(net, tmp_path_factory.mktemp("hosts"), lambda secret: topology(net, secret))
         for host in HOSTS:
             running.start(host)
         running.wait(lambda status, body: status == 200, "every stage on every host to be ready")

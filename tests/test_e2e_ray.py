@@ -3,7 +3,8 @@ three-node Ray cluster on this machine (ray.cluster_utils.Cluster: a head and tw
 each a raylet of its own offering a custom resource named after a topology host). Every replica is
 a Ray actor on the node its host names; the pipeline answers what the engine answers in-process;
 a stage process killed on its node is restarted through Ray (a new actor, on the same host's
-node). Skipped where Ray is not installed (pip install 'pdflow[ray]').
+node); a whole node going away is a dead replica until a node offering its host's resource joins,
+where its replica then starts again. Skipped where Ray is not installed (pip install 'pdflow[ray]').
 """
 
 from __future__ import annotations
@@ -80,8 +81,7 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1}})
-    for host in ("prefill-node", "decode-node"):
-        made.add_node(num_cpus=1, resources={host: 1})
+    made.hosts = {host: made.add_node(num_cpus=1, resources={host: 1}) for host in ("prefill-node", "decode-node")}
     made.wait_for_nodes()
     ray.init(address=made.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
@@ -175,3 +175,28 @@ def test_a_stage_killed_on_its_node_is_restarted_through_ray(pipeline, reference
                  and body["stages"]["decode-0"]["pid"] != pid)
     assert ask(url) == reference
     assert placed_actors() == PLACED  # the new actor on decode's node, the old one gone
+
+
+def test_a_node_going_away_is_a_dead_replica_until_a_node_for_its_host_joins(cluster, pipeline, reference):
+    """The decode node's raylet dies with its actors: decode-0 is declared down (ingress refuses
+    with 503 at once, rather than hanging), its new actor waits for a node offering
+    ``decode-node``, and once one joins the replica starts there and the pipeline answers again."""
+    url, proc, workdir = pipeline
+    pid = httpx.get(f"{url}/health", timeout=5).json()["stages"]["decode-0"]["pid"]
+    cluster.remove_node(cluster.hosts.pop("decode-node"), allow_graceful=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        body = httpx.get(f"{url}/health", timeout=5).json()
+        if "decode-0" in body.get("down", []):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"decode-0 was not declared down after its node went away: {body}")
+    refused = httpx.post(f"{url}/v1/completions", timeout=30,
+                         json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2})
+    assert refused.status_code == 503 and "decode" in refused.text
+    cluster.hosts["decode-node"] = cluster.add_node(num_cpus=1, resources={"decode-node": 1})
+    wait_healthy(url, proc, workdir, lambda body: body["stages"]["decode-0"]["pid"] not in (None, pid)
+                 and "decode-0" not in body.get("down", []))
+    assert ask(url) == reference
+    assert placed_actors() == PLACED

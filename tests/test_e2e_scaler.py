@@ -11,34 +11,13 @@ import httpx
 import openai
 import pytest
 
-from pdflow.testing.server import SECRET_ENV, PdflowServer
+from pdflow.testing.server import PdflowServer, replicated_ports, replicated_topology
 from pdflow.top import Scrape
 
 pytestmark = pytest.mark.e2e
 
-PORTS = 16
-
-
-def _topology(base: int) -> str:
-    return f"""
-[model]
-source = "smollm2"
-
-[server]
-port = {base}
-
-[control]
-port = {base + 1}
-
-[security]
-secret_env = "{SECRET_ENV}"
-
-[limits]
-max_batch = 32
-ready_timeout_s = 240
-heartbeat_timeout_s = 10
-request_timeout_s = 120
-
+REPLICAS = {"prefill": 2, "decode": 2}
+SCALER = """
 [scaler]
 interval_s = 0.25
 window_s = 3
@@ -49,40 +28,14 @@ ttft_slo_ms = 60000
 up_after_s = 0.5
 down_after_s = 3
 cooldown_s = 2
-
-[stages.ingress]
-port = {base + 3}
-[stages.prefill]
-replicas = 2
-min_replicas = 1
-port = {base + 4}
-data_port = {base + 6}
-cores = [0]
-[stages.kv_shuttle]
-port = {base + 8}
-data_port = {base + 9}
-[stages.decode]
-replicas = 2
-min_replicas = 1
-port = {base + 10}
-data_port = {base + 12}
-cores = [1]
-
-[[links]]
-src = "prefill"
-dst = "kv_shuttle"
-transport = "tcp"
-
-[[links]]
-src = "kv_shuttle"
-dst = "decode"
-transport = "tcp"
 """
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with PdflowServer(tmp_path_factory.mktemp("pdflow-scaler"), topology=_topology, ports=PORTS) as running:
+    topology = replicated_topology(REPLICAS, SCALER, min_replicas={"prefill": 1, "decode": 1})
+    with PdflowServer(tmp_path_factory.mktemp("pdflow-scaler"), topology=topology,
+                      ports=replicated_ports(REPLICAS)) as running:
         yield running
 
 

@@ -381,8 +381,8 @@ class KvShuttleStage(Stage):
         for i in range(lease.hit, lease.hit + blocks):
             self.store.commit(lease, i)
         self.fetch_counts["peer_fetched_blocks"] += blocks
-        self.log.debug("store.fetched", request_id=rid, peer=peer, blocks=blocks, of=wanted,
-                       ms=round(1000 * (time.monotonic() - began), 2))
+        self.log.info("store.fetched", request_id=rid, peer=peer, blocks=blocks, of=wanted,
+                      bytes=blocks * self.arena.block_bytes, ms=round(1000 * (time.monotonic() - began), 2))
         return True
 
     def _fetch_landed(self, fetch: _Fetch, notice) -> None:

@@ -139,6 +139,73 @@ codec_options = {_inline(decode_codec_options)}
 """
 
 
+PD_STAGES = ("prefill", "kv_shuttle", "decode")
+_CORES = {"prefill": "[0]", "decode": "[1]"}  # as the default topology pins them
+
+
+def replicated_ports(replicas: dict[str, int]) -> int:
+    """The ports :func:`replicated_topology` takes for ``replicas``."""
+    return 4 + 2 * sum(replicas.get(stage, 1) for stage in PD_STAGES)
+
+
+def replicated_topology(replicas: dict[str, int], tables: str = "", *, min_replicas: dict[str, int] | None = None,
+                        limits: dict | None = None) -> Callable[[int], str]:
+    """A PD topology (tcp links, authenticated planes, prefill on core 0, decode on core 1) with
+    ``replicas`` of each of prefill, kv_shuttle and decode (1 where not named), ``min_replicas``
+    for the scaler, ``limits`` over the [limits] defaults, and more ``tables`` (e.g. [router],
+    [scaler], [kv]): a function of the first of :func:`replicated_ports` free ports, as
+    :class:`PdflowServer` takes it."""
+    settings = {"max_batch": 32, "ready_timeout_s": 300, "heartbeat_timeout_s": 10, "request_timeout_s": 120,
+                **(limits or {})}
+
+    def text(base: int) -> str:
+        port, stages = base + 4, []
+        for stage in PD_STAGES:
+            count = replicas.get(stage, 1)
+            lines = [f"[stages.{stage}]", f"replicas = {count}", f"port = {port}", f"data_port = {port + count}"]
+            if stage in (min_replicas or {}):
+                lines.append(f"min_replicas = {min_replicas[stage]}")
+            if stage in _CORES:
+                lines.append(f"cores = {_CORES[stage]}")
+            stages.append("\n".join(lines))
+            port += 2 * count
+        return f"""
+[model]
+source = "smollm2"
+
+[server]
+port = {base}
+
+[control]
+port = {base + 1}
+
+[security]
+secret_env = "{SECRET_ENV}"
+
+[limits]
+{_table(settings)}
+
+{tables}
+
+[stages.ingress]
+port = {base + 3}
+
+{chr(10).join(stages)}
+
+[[links]]
+src = "prefill"
+dst = "kv_shuttle"
+transport = "tcp"
+
+[[links]]
+src = "kv_shuttle"
+dst = "decode"
+transport = "tcp"
+"""
+
+    return text
+
+
 class PdflowServer:
     """``with PdflowServer(tmp) as s:`` runs `pdflow run` until the block ends (SIGTERM)."""
 
