@@ -91,13 +91,18 @@ def test_the_router_weighs_what_a_replica_holds_against_its_load() -> None:
 def test_the_router_counts_a_prefix_another_store_holds_as_fetched_not_recomputed() -> None:
     """With fetching, a busy holder's prefix is still worth having: the request goes to the idle
     store, which fetches it (100 tokens/s of prefill against 10,000 of fetching); without
-    fetching, or where a store holds no more than the one picked, nothing is fetched."""
+    fetching, or where a store has stored no more than the one picked holds, nothing is fetched."""
     request = RoutingRequest("r", list(range(300)))
-    busy, idle = ReplicaStatus(0, in_flight=2, cached_tokens=256), ReplicaStatus(1, cached_tokens=64)
+    busy = ReplicaStatus(0, in_flight=2, cached_tokens=256, stored_tokens=256)
+    idle = ReplicaStatus(1, cached_tokens=64, stored_tokens=64)
     fetching = create("cache_aware", {"prefill_tokens_per_s": 100, "queue_s": 0.5, "fetch_tokens_per_s": 10_000})
     assert fetching.route("kv_shuttle", request, [busy, idle]) == 1  # 1.44 s against 0.46 s
     assert fetching.fetch_from("kv_shuttle", request, 1, [busy, idle]) == 0
     assert fetching.fetch_from("kv_shuttle", request, 0, [busy, idle]) is None  # it holds the most
+    # blocks the holder is still computing (its last turn runs there) cannot be fetched yet: wait there
+    computing = ReplicaStatus(0, in_flight=2, cached_tokens=256, stored_tokens=0)
+    assert fetching.route("kv_shuttle", request, [computing, idle]) == 0  # 1.44 s against 2.36 s
+    assert fetching.fetch_from("kv_shuttle", request, 1, [computing, idle]) is None
     recomputing = create("cache_aware", {"prefill_tokens_per_s": 100, "queue_s": 0.5, "fetch_tokens_per_s": 0})
     assert recomputing.route("kv_shuttle", request, [busy, idle]) == 0  # 1.44 s against 2.36 s
     assert recomputing.fetch_from("kv_shuttle", request, 1, [busy, idle]) is None

@@ -133,11 +133,11 @@ class Holdings:
     def known(self, stage: str, replica: int) -> bool:
         return (stage, replica) in self._held
 
-    def prefix_blocks(self, stage: str, replica: int, ids: Sequence[int]) -> int:
+    def prefix_blocks(self, stage: str, replica: int, ids: Sequence[int], coming: bool = True) -> int:
         """How many of ``ids`` (a prompt's block ids, in order), from the first, the replica holds
-        or will soon (a request routed there computes them now)."""
+        or (``coming``) will soon (a request routed there computes them now)."""
         held = self._held.get((stage, replica), ())
-        coming = self._coming.get((stage, replica), {})
+        coming = self._coming.get((stage, replica), {}) if coming else {}
         count = 0
         for block_id in ids:
             short = short_id(block_id)

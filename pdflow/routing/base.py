@@ -29,9 +29,12 @@ class ReplicaStatus:
     healthy: bool = True
     in_flight: int = 0  # from the replica's latest heartbeat (about a second old)
     assigned: int = 0  # ingress's requests on this replica now (exact)
-    # tokens of the request's prompt, from its start, whose KV the replica holds: for the stage
-    # that keeps KV (kv-shuttle), given to a router that asks (``uses_holdings``); None: not known
+    # tokens of the request's prompt, from its start, whose KV the replica holds or is computing
+    # (a request routed there computes them now): for the stage that keeps KV (kv-shuttle), given
+    # to a router that asks (``uses_holdings``); None: not known
     cached_tokens: int | None = None
+    # of those, the ones its store has said it holds: what another replica could fetch from it now
+    stored_tokens: int | None = None
 
     @property
     def load(self) -> int:

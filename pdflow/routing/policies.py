@@ -44,17 +44,18 @@ class CacheAwareRouter(Router):
     """Where the KV already is (Mooncake's Conductor, in small): for the stage that keeps KV
     (kv-shuttle), the replica with the least estimated time to first token, ``in flight x
     queue_s`` plus the prefill of the prompt's tokens it cannot have from a store at
-    ``prefill_tokens_per_s``, plus fetching the part of the prefix another replica holds and it
-    does not at ``fetch_tokens_per_s`` (a prefix held is read, not recomputed; 0: no fetching,
-    only a replica's own prefix counts); for every other stage (and where no store has reported
-    yet), the least loaded.
+    ``prefill_tokens_per_s``, plus fetching the part of the prefix another replica has stored
+    and it does not hold at ``fetch_tokens_per_s`` (a prefix held is read, not recomputed; blocks
+    a replica is still computing count as its own, but cannot be fetched from it yet; 0: no
+    fetching, only a replica's own prefix counts); for every other stage (and where no store has
+    reported yet), the least loaded.
 
     ``prefill_tokens_per_s``: this CPU's SmolLM2 prefill (docs/benchmarks.md); ``queue_s``: what
     one more request in flight there adds to a request's wait (kv-shuttle's own work per request
     is small: a lookup and a transfer); ``fetch_tokens_per_s``: SmolLM2's KV (45 KiB a token in
-    fp32) fetched between two stores over tcp on this machine, measured at 14,800-19,700 tokens/s
-    (0.68-0.91 GB/s) for 1,024- to 4,096-token prefixes (docs/benchmarks.md, "Routing").
-    The replica picked fetches from the one that holds the most when it holds more
+    fp32) fetched between two stores over tcp on this machine, measured at 14,000-19,000 tokens/s
+    for 1,024- to 4,096-token prefixes (docs/benchmarks.md, "Routing"). The replica picked
+    fetches from the one that has stored the most of the prefix when that is more than it holds
     (:meth:`fetch_from`) and fetching is the faster way."""
 
     uses_holdings = True
@@ -76,7 +77,8 @@ class CacheAwareRouter(Router):
 
     def estimate_s(self, request: RoutingRequest, replica: ReplicaStatus, held: int = 0) -> float:
         """Seconds to the first token through ``replica``, as far as the choice of it changes them
-        (``held``: the most of the prompt's prefix any replica holds)."""
+        (``held``: the most of the prompt's prefix any replica has stored, which it could fetch;
+        blocks a replica is still computing cannot be fetched yet)."""
         own = replica.cached_tokens or 0
         fetched = held - own if self._fetches(own, held) else 0
         uncached = max(0, len(request.prompt_ids) - own - fetched)
@@ -85,10 +87,13 @@ class CacheAwareRouter(Router):
     def pick(self, stage: str, request: RoutingRequest, replicas: list[ReplicaStatus]) -> int:
         if all(r.cached_tokens is None for r in replicas):
             return min(replicas, key=lambda r: (r.load, r.replica)).replica
-        held = max(r.cached_tokens or 0 for r in replicas)
+        held = max(r.stored_tokens or 0 for r in replicas)
         return min(replicas, key=lambda r: (self.estimate_s(request, r, held), r.load, r.replica)).replica
 
     def fetch_from(self, stage: str, request: RoutingRequest, picked: int, replicas: list[ReplicaStatus]) -> int | None:
         own = next((r.cached_tokens or 0 for r in replicas if r.replica == picked), 0)
-        holder = max(replicas, key=lambda r: (r.cached_tokens or 0, -r.load, -r.replica))
-        return holder.replica if holder.replica != picked and self._fetches(own, holder.cached_tokens or 0) else None
+        others = [r for r in replicas if r.replica != picked]
+        if not others:
+            return None
+        holder = max(others, key=lambda r: (r.stored_tokens or 0, -r.load, -r.replica))
+        return holder.replica if self._fetches(own, holder.stored_tokens or 0) else None

@@ -190,7 +190,7 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
                         for i in range(self.pipeline.stages[name].replicas)]
             replicas = [
                 ReplicaStatus(i, routable[i], self.reported.get((name, i), 0), self.assigned[(name, i)],
-                              self._cached_tokens(name, i, ids))
+                              *self._cached_tokens(name, i, ids))
                 for i in range(self.pipeline.stages[name].replicas)
             ]
             try:
@@ -209,12 +209,15 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
                     fetch_from[name] = peer  # (a router's answer that is not another healthy replica: none)
         return Route(picked, fetch_from)
 
-    def _cached_tokens(self, stage: str, replica: int, ids: list[int] | None) -> int | None:
-        """Tokens of the prompt (block ``ids``) whose KV ``replica`` of ``stage`` holds, as it last
-        said; None where it is not a store, or has not said (or the router does not ask)."""
+    def _cached_tokens(self, stage: str, replica: int, ids: list[int] | None) -> tuple[int | None, int | None]:
+        """Tokens of the prompt (block ``ids``) whose KV ``replica`` of ``stage`` holds or is
+        computing, and of those the ones it said it holds; None where it is not a store, or has
+        not said (or the router does not ask)."""
         if ids is None or stage not in self.keeps_kv or not self.holdings.known(stage, replica):
-            return None
-        return self.holdings.prefix_blocks(stage, replica, ids) * self.hasher.block_tokens
+            return None, None
+        bt = self.hasher.block_tokens
+        return (self.holdings.prefix_blocks(stage, replica, ids) * bt,
+                self.holdings.prefix_blocks(stage, replica, ids, coming=False) * bt)
 
     async def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],

@@ -25,5 +25,5 @@ class AwayRouter(CacheAwareRouter):
 
     def fetch_from(self, stage, request, picked, replicas):
         if self.lie:
-            return next((r.replica for r in replicas if r.replica != picked and not r.cached_tokens), None)
+            return next((r.replica for r in replicas if r.replica != picked and not r.stored_tokens), None)
         return super().fetch_from(stage, request, picked, replicas)
