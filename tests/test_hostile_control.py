@@ -106,6 +106,18 @@ class _Peer:
         except zmq.Again:
             pass  # not connected (refused) or full: the point is that nothing breaks
 
+    def deliver(self, name: str, frame: bytes, timeout_s: float = 5.0) -> None:
+        """Send once the connection is up (its CURVE handshake done): for a message that must arrive."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sockets[name].send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
     def close(self) -> None:
         self.ctx.destroy(0)
 
@@ -232,14 +244,14 @@ def test_forged_messages_cannot_touch_another_client_s_request(server):
     shuttle, decode = _Peer(server, keys.for_replica("kv_shuttle", 0)), _Peer(server, keys.for_replica("decode", 0))
     framing = Framing(ALL_MESSAGES)
     try:
-        shuttle.send("decode/0", framing.encode(Cancel(request_id, "forged")))  # only ingress cancels
-        decode.send("ingress/0", framing.encode(TextDelta(request_id, "INJECTED", 1)))  # decode sends tokens, not text
-        shuttle.send("ingress/0", framing.encode(Tokens(request_id, 1, [1, 2, 3])))  # kv-shuttle sends no tokens
+        shuttle.deliver("decode/0", framing.encode(Cancel(request_id, "forged")))  # only ingress cancels
+        decode.deliver("ingress/0", framing.encode(TextDelta(request_id, "INJECTED", 1)))  # decode sends tokens, not text
+        shuttle.deliver("ingress/0", framing.encode(Tokens(request_id, 1, [1, 2, 3])))  # kv-shuttle sends no tokens
         # a store's holdings come from that store only
-        decode.send("ingress/0", framing.encode(KvHoldings("kv_shuttle", 0, 0, True, b"\x00" * 8)))
+        decode.deliver("ingress/0", framing.encode(KvHoldings("kv_shuttle", 0, 0, True, b"\x00" * 8)))
         # and a store's prefix goes only to another replica of the store that asks for it itself
-        decode.send("kv_shuttle/0", framing.encode(KvFetch("x:fetch", "kv_shuttle", 0, [1] * 128, 0,
-                                                           "tcp://127.0.0.1:9", 0, 4, [0, 1])))
+        decode.deliver("kv_shuttle/0", framing.encode(KvFetch("x:fetch", "kv_shuttle", 0, [1] * 128, 0,
+                                                              "tcp://127.0.0.1:9", 0, 4, [0, 1])))
         thread.join(60)
     finally:
         shuttle.close()

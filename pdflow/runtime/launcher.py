@@ -418,7 +418,7 @@ class Launcher(ScalingLauncher):
 
     async def _publish_status(self) -> None:
         for rep in self.replicas.values():
-            pid = rep.process.pid if rep.process else rep.pid
+            pid = (rep.process.pid if rep.process else rep.pid) or 0  # 0: not known yet (a Ray actor still placed)
             status = StageStatus(rep.stage, rep.replica, self._state(rep), pid, rep.in_flight, rep.restarts,
                                  rep.stats, rep.notes)
             await self.pub.send(self._encode(status))
@@ -547,7 +547,7 @@ class Launcher(ScalingLauncher):
                  + f"{'pid':>8}  {'cores':<10}{'device':<8}{'state':<10}{'restarts':>8}"]
         for rep in self.replicas.values():
             cfg = self.topology.stages[rep.stage]
-            pid = rep.process.pid if rep.process else (rep.pid or "-")
+            pid = (rep.process.pid if rep.process else rep.pid) or "-"
             state = self._state(rep)
             cores = ",".join(map(str, cfg.cores)) or "any"
             lines.append(f"  {self._name(rep):<14}" + (f"{rep.host:<12}" if hosts else "")
