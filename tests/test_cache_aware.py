@@ -1,6 +1,8 @@
 """Cache-aware routing: the stores' journals, their reports to ingress (KvHoldings) and ingress's
-picture of them, the cache_aware router's estimate, and a conversation that keeps hitting its
-prefix on one of two kv-shuttle replicas (in one process: LocalPipeline)."""
+picture of them, the cache_aware router's estimate, a conversation that keeps hitting its prefix
+on one of two kv-shuttle replicas, and turns sent away from their prefix that fetch it from the
+store holding it (or compute it, where that store lacks it or never answers) (in one process:
+LocalPipeline)."""
 
 from __future__ import annotations
 
