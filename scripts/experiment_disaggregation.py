@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from pdflow.bench.experiments import Report, bench, figure
+from pdflow.bench.experiments import Report, bench, figure, one_prompt_timeline
 from pdflow.testing.server import PdflowServer
 from pdflow.timeline import kv_summary, plot
 
@@ -155,16 +155,6 @@ def part_trace(opts, out: Path) -> None:
 # --- 2. KV tail ----------------------------------------------------------------------------------
 
 
-def _one_prompt(url: str, tokens: int) -> dict:
-    prompt = [(i * 7919) % 40000 + 1000 for i in range(tokens)]  # plain token ids, no special tokens
-    reply = httpx.post(f"{url}/v1/completions", timeout=900,
-                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0,
-                             "ignore_eos": True}).json()
-    if "id" not in reply:
-        raise RuntimeError(f"the {tokens}-token request failed: {reply}")
-    return httpx.get(f"{url}/debug/timeline/{reply['id']}", timeout=30).json()
-
-
 def part_kv_tail(opts, out: Path) -> None:
     link = {"bandwidth": opts.link_bandwidth, "latency": opts.link_latency}
     rows = []
@@ -174,7 +164,7 @@ def part_kv_tail(opts, out: Path) -> None:
         ) as server:
             for tokens in opts.kv_tokens:
                 say(f"- kv_streaming={streaming}: a {tokens}-token prompt through a {opts.link_bandwidth} link")
-                timeline = _one_prompt(server.url, tokens)
+                timeline = one_prompt_timeline(server.url, tokens)
                 summary = kv_summary(timeline)
                 rows.append((streaming, tokens, summary))
                 (out / f"timeline-{streaming}-{tokens}.json").write_text(json.dumps(timeline))

@@ -36,10 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
-from pdflow.bench.experiments import Report, bench, figure
-from pdflow.testing.hosts import Cluster, host_tables
+from pdflow.bench.experiments import Report, bench, figure, one_prompt_timeline
+from pdflow.testing.hosts import Cluster, hosts_topology
 from pdflow.testing.netns import Namespaces, unavailable
 from pdflow.timeline import kv_summary
 
@@ -71,43 +70,6 @@ with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as conn:
 """
 
 
-def topology(net: Namespaces, hosts: dict[str, str], secret: Path) -> str:
-    """``hosts``: stage -> the host it runs on."""
-    return f"""
-[model]
-source = "smollm2"
-
-[server]
-host = "0.0.0.0"
-
-[security]
-secret_file = "{secret}"
-
-[control]
-on = "head"
-
-[limits]
-ready_timeout_s = 300
-heartbeat_timeout_s = 10
-request_timeout_s = 900
-
-{host_tables(net, sorted(set(hosts.values())))}
-[stages.ingress]
-on = "{hosts['ingress']}"
-
-[stages.prefill]
-on = "{hosts['prefill']}"
-cores = [0]
-
-[stages.kv_shuttle]
-on = "{hosts['kv_shuttle']}"
-
-[stages.decode]
-on = "{hosts['decode']}"
-cores = [1]
-"""
-
-
 def link_throughput(net: Namespaces, sender: str, receiver: str, mib: int = 256) -> float:
     """Gbit/s of one TCP stream from ``sender`` to ``receiver`` (hosts of ``net``)."""
     import subprocess
@@ -125,25 +87,15 @@ def link_throughput(net: Namespaces, sender: str, receiver: str, mib: int = 256)
         proc.wait(10)
 
 
-def one_prompt_timeline(url: str, tokens: int) -> dict:
-    prompt = [(i * 7919) % 40000 + 1000 for i in range(tokens)]  # plain token ids, no special tokens
-    reply = httpx.post(f"{url}/v1/completions", timeout=900,
-                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0,
-                             "ignore_eos": True}).json()
-    if "id" not in reply:
-        raise RuntimeError(f"the {tokens}-token request failed: {reply}")
-    return httpx.get(f"{url}/debug/timeline/{reply['id']}", timeout=30).json()
-
-
 def run_configuration(opts, name: str, bandwidth: str | None) -> dict:
     spread = bandwidth is not None
     names = SPREAD if spread else ("head",)
-    placement = dict(zip(("ingress", "prefill", "kv_shuttle", "decode"), SPREAD)) if spread else \
-        dict.fromkeys(("ingress", "prefill", "kv_shuttle", "decode"), "head")
+    placement = {stage: [host if spread else "head"]
+                 for stage, host in zip(("ingress", "prefill", "kv_shuttle", "decode"), SPREAD)}
     out = opts.out
     with Namespaces(names, bandwidth=bandwidth) as net, tempfile.TemporaryDirectory() as tmp:
         gbit = link_throughput(net, "prefill", "shuttle") if spread else link_throughput(net, "head", "head")
-        cluster = Cluster(net, Path(tmp), lambda secret: topology(net, placement, secret))
+        cluster = Cluster(net, Path(tmp), lambda secret: hosts_topology(net, secret, placement, request_timeout_s=900))
         for host in names:
             cluster.start(host)
         cluster.wait(lambda status, body: status == 200, f"{name}: every stage ready")

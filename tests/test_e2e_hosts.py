@@ -11,12 +11,11 @@ namespaces cannot be made (not root, no iproute2).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import openai
 import pytest
 
-from pdflow.testing.hosts import Cluster, host_tables
+from pdflow.testing.hosts import Cluster, hosts_topology
 from pdflow.testing.netns import Namespaces, unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
@@ -25,48 +24,14 @@ HOSTS = ("head", "prefill", "shuttle", "decode-a", "decode-b")
 QUESTION = "What is the capital of France?"
 
 
-def topology(net: Namespaces, secret_file: Path) -> str:
-    hosts = host_tables(net, HOSTS)
-    return f"""
-[model]
-source = "smollm2"
-
-[server]
-host = "0.0.0.0"
-
-[security]
-secret_file = "{secret_file}"
-
-[control]
-on = "head"
-
-[limits]
-ready_timeout_s = 300
-heartbeat_timeout_s = 4
-request_timeout_s = 120
-
-{hosts}
-[stages.ingress]
-on = "head"
-
-[stages.prefill]
-on = "prefill"
-cores = [0]
-
-[stages.kv_shuttle]
-on = "shuttle"
-
-[stages.decode]
-replicas = 2
-on = ["decode-a", "decode-b"]
-cores = [1]
-"""
+PLACEMENT = {"ingress": ["head"], "prefill": ["prefill"], "kv_shuttle": ["shuttle"],
+             "decode": ["decode-a", "decode-b"]}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with Namespaces(HOSTS, bandwidth="10gbit") as net:
-        running = Cluster(net, tmp_path_factory.mktemp("hosts"), lambda secret: topology(net, secret))
+        running = Cluster(net, tmp_path_factory.mktemp("hosts"), lambda secret: hosts_topology(net, secret, PLACEMENT, heartbeat_timeout_s=4))
         for host in HOSTS:
             running.start(host)
         running.wait(lambda status, body: status == 200, "every stage on every host to be ready")

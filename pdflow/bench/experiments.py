@@ -53,3 +53,17 @@ def bench(url: str, out: Path, argv: list[str]) -> dict:
     args = parse_args(["--base-url", url, "--no-progress", "--result-json", str(out), *argv])
     main(args)
     return json.loads(out.read_text())
+
+
+def one_prompt_timeline(url: str, tokens: int) -> dict:
+    """Send one ``tokens``-token prompt (plain token ids, no special tokens) for two tokens; its
+    timeline (``/debug/timeline``): what KV-tail measurements read."""
+    import httpx
+
+    prompt = [(i * 7919) % 40000 + 1000 for i in range(tokens)]
+    reply = httpx.post(f"{url}/v1/completions", timeout=900,
+                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                             "ignore_eos": True}).json()
+    if "id" not in reply:
+        raise RuntimeError(f"the {tokens}-token request failed: {reply}")
+    return httpx.get(f"{url}/debug/timeline/{reply['id']}", timeout=30).json()

@@ -591,7 +591,7 @@ class KvShuttleStage(Stage):
     async def _notice_loop(self) -> None:
         async for notice in self.notices(self.inbound):
             header = notice.header
-            fetch = self.fetches.get(header.request_id)
+            fetch = self.fetches.get(header.request_id) if self.fetches else None
             if fetch is not None:  # a prefix from another store
                 self._fetch_landed(fetch, notice)
                 continue

@@ -4,7 +4,7 @@
 and ``scripts/experiment_hosts.py`` share.
 
     with Namespaces(["head", "gpu1"], bandwidth="10gbit") as net:
-        cluster = Cluster(net, workdir, lambda secret: topology_text(net, secret))
+        cluster = Cluster(net, workdir, lambda secret: hosts_topology(net, secret, placement))
         for host in net.names:
             cluster.start(host)
         cluster.wait(lambda status, body: status == 200, "every stage to be ready")
@@ -24,13 +24,44 @@ import httpx
 
 from pdflow.testing.netns import Namespaces
 
-__all__ = ["Cluster", "host_tables"]
+__all__ = ["Cluster", "hosts_topology"]
+
+_CORES = {"prefill": "[0]", "decode": "[1]"}  # as the default topology pins them
 
 
-def host_tables(net: Namespaces, names: Sequence[str]) -> str:
-    """The topology's ``[hosts.NAME]`` tables: each host at its namespace's address, binding every
-    address."""
-    return "\n".join(f'[hosts.{name}]\naddress = "{net.address(name)}"\nbind = "0.0.0.0"\n' for name in names)
+def hosts_topology(net: Namespaces, secret_file: Path, placement: dict[str, Sequence[str]],
+                   heartbeat_timeout_s: float = 10, request_timeout_s: float = 120) -> str:
+    """A PD topology over hosts of ``net`` (each at its namespace's address, binding every
+    address; ingress on ``head``, which supervises): ``placement`` maps each stage to the hosts of
+    its replicas, one each; the planes authenticated with ``secret_file``."""
+    hosts = dict.fromkeys(host for on in placement.values() for host in on)
+    tables = [f'[hosts.{name}]\naddress = "{net.address(name)}"\nbind = "0.0.0.0"\n' for name in hosts]
+    for stage, on in placement.items():
+        lines = [f"[stages.{stage}]", f"replicas = {len(on)}",
+                 f'on = "{on[0]}"' if len(on) == 1 else "on = [" + ", ".join(f'"{h}"' for h in on) + "]"]
+        if stage in _CORES:
+            lines.append(f"cores = {_CORES[stage]}")
+        tables.append("\n".join(lines) + "\n")
+    body = "\n".join(tables)
+    return f"""
+[model]
+source = "smollm2"
+
+[server]
+host = "0.0.0.0"
+
+[security]
+secret_file = "{secret_file}"
+
+[control]
+on = "head"
+
+[limits]
+ready_timeout_s = 300
+heartbeat_timeout_s = {heartbeat_timeout_s}
+request_timeout_s = {request_timeout_s}
+
+{body}"""
 
 
 class Cluster:
