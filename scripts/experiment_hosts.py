@@ -95,7 +95,8 @@ def run_configuration(opts, name: str, bandwidth: str | None) -> dict:
     out = opts.out
     with Namespaces(names, bandwidth=bandwidth) as net, tempfile.TemporaryDirectory() as tmp:
         gbit = link_throughput(net, "prefill", "shuttle") if spread else link_throughput(net, "head", "head")
-        cluster = Cluster(net, Path(tmp), lambda secret: hosts_topology(net, secret, placement, request_timeout_s=900))
+        cluster = Cluster(net, Path(tmp), lambda secret: hosts_topology(net, secret, placement,
+                                                                        request_timeout_s=900))
         for host in names:
             cluster.start(host)
         cluster.wait(lambda status, body: status == 200, f"{name}: every stage ready")

@@ -31,7 +31,8 @@ PLACEMENT = {"ingress": ["head"], "prefill": ["prefill"], "kv_shuttle": ["shuttl
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with Namespaces(HOSTS, bandwidth="10gbit") as net:
-        running = Cluster(net, tmp_path_factory.mktemp("hosts"), lambda secret: hosts_topology(net, secret, PLACEMENT, heartbeat_timeout_s=4))
+        running = Cluster(net, tmp_path_factory.mktemp("hosts"),
+                          lambda secret: hosts_topology(net, secret, PLACEMENT, heartbeat_timeout_s=4))
         for host in HOSTS:
             running.start(host)
         running.wait(lambda status, body: status == 200, "every stage on every host to be ready")
