@@ -5,8 +5,10 @@ address, joined to the others by veth pairs and a bridge, its link shaped by tc)
 One pipeline: ingress on `head` (which supervises), prefill, kv-shuttle and two decode replicas
 on four more hosts. It answers what the engine answers in-process; a decode process killed on its
 host is restarted by that host's launcher; a whole host going away is a dead replica to the
-others (its requests go to the other decode) until it comes back. Skipped with the reason where
-namespaces cannot be made (not root, no iproute2).
+others (its requests go to the other decode) until it comes back. All of it with KV over tcp, and
+again over ucx (over its tcp transport between namespaces: UCX's shared memory cannot wake a peer
+in another one). Skipped with the reason where namespaces cannot be made (not root, no iproute2)
+or the transport is not installed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from pdflow import transports
 from pdflow.testing.hosts import Cluster, hosts_topology
 from pdflow.testing.netns import Namespaces, unavailable
 
@@ -28,11 +31,16 @@ PLACEMENT = {"ingress": ["head"], "prefill": ["prefill"], "kv_shuttle": ["shuttl
              "decode": ["decode-a", "decode-b"]}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tcp", "ucx"])
+def cluster(request, tmp_path_factory):
+    problem = transports.availability(request.param)
+    if problem:
+        pytest.skip(f"transport {request.param!r} is not available here: {problem}")
     with Namespaces(HOSTS, bandwidth="10gbit") as net:
         running = Cluster(net, tmp_path_factory.mktemp("hosts"),
-                          lambda secret: hosts_topology(net, secret, PLACEMENT, heartbeat_timeout_s=4))
+                          lambda secret: hosts_topology(net, secret, PLACEMENT, heartbeat_timeout_s=4,
+                                                        transport=request.param))
+        running.transport = request.param
         for host in HOSTS:
             running.start(host)
         running.wait(lambda status, body: status == 200, "every stage on every host to be ready")

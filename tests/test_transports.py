@@ -253,6 +253,29 @@ def test_ucx_conformance_under_uvloop() -> None:
             runner.run(asyncio.wait_for(check(harness_for("ucx")), CHECK_TIMEOUT_S))
 
 
+@needs_ucx
+async def test_ucx_between_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender whose receiver is not in its network namespace (another machine, or another
+    namespace on this one) makes its endpoints with UCX error handling: UCX then reports the
+    peer's failure itself, and the next write to the gone peer must fail, not crash on an
+    endpoint ucxx has already closed."""
+    from pdflow.testing import transport_conformance as tc
+    from pdflow.transports import ucx
+
+    monkeypatch.setattr(ucx, "peer_is_local", lambda sock: False)
+    for check in (tc.check_sizes, tc.check_many_in_flight, tc.check_receiver_dies, tc.check_reconnect):
+        await asyncio.wait_for(check(harness_for("ucx")), CHECK_TIMEOUT_S)
+
+
+def test_peer_is_local() -> None:
+    from pdflow.transports.sockets import peer_is_local
+
+    for peer, local in (("127.0.0.1", True), ("192.0.2.1", False)):  # TEST-NET-1: on no interface here
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((peer, 9))
+            assert peer_is_local(sock) is local
+
+
 # --- shm specifics: regions from allocate(), which senders map (the suite registers its own) ---
 
 needs_shm = pytest.mark.skipif(transports.availability("shm") is not None, reason="shm is not available here")

@@ -30,10 +30,11 @@ _CORES = {"prefill": "[0]", "decode": "[1]"}  # as the default topology pins the
 
 
 def hosts_topology(net: Namespaces, secret_file: Path, placement: dict[str, Sequence[str]],
-                   heartbeat_timeout_s: float = 10, request_timeout_s: float = 120) -> str:
+                   heartbeat_timeout_s: float = 10, request_timeout_s: float = 120, transport: str = "tcp") -> str:
     """A PD topology over hosts of ``net`` (each at its namespace's address, binding every
     address; ingress on ``head``, which supervises): ``placement`` maps each stage to the hosts of
-    its replicas, one each; the planes authenticated with ``secret_file``."""
+    its replicas, one each; the planes authenticated with ``secret_file``; KV over ``transport``
+    (into kv-shuttle and into decode, and so on every link)."""
     hosts = dict.fromkeys(host for on in placement.values() for host in on)
     tables = [f'[hosts.{name}]\naddress = "{net.address(name)}"\nbind = "0.0.0.0"\n' for name in hosts]
     for stage, on in placement.items():
@@ -42,6 +43,8 @@ def hosts_topology(net: Namespaces, secret_file: Path, placement: dict[str, Sequ
         if stage in _CORES:
             lines.append(f"cores = {_CORES[stage]}")
         tables.append("\n".join(lines) + "\n")
+    for src, dst in (("prefill", "kv_shuttle"), ("kv_shuttle", "decode")):
+        tables.append(f'[[links]]\nsrc = "{src}"\ndst = "{dst}"\ntransport = "{transport}"\n')
     body = "\n".join(tables)
     return f"""
 [model]

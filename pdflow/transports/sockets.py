@@ -40,6 +40,19 @@ def address_of(scheme: str, sock: socket.socket) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+def peer_is_local(sock: socket.socket) -> bool:
+    """Whether the peer of connected inet socket ``sock`` is in this network namespace: its
+    address is one of this namespace's own (loopback included), which can be bound here. A peer on
+    another machine, or in another namespace (container, ``ip netns``) on this one, is not."""
+    peer = sock.getpeername()
+    with socket.socket(sock.family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((peer[0], 0, *peer[2:]))
+        except OSError:
+            return False
+    return True
+
+
 async def resolve(host: str, port: int) -> tuple[int, Any]:
     """(address family, socket address) for ``host:port``."""
     try:  # numeric addresses need no resolver thread

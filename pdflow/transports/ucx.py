@@ -5,7 +5,10 @@ there once per address and both say HELLO (magic ``b"PDUX"``, wire version, pdfl
 version; a mismatch is :class:`~pdflow.transports.base.IncompatiblePeer`); the receiver adds
 WELCOME: a link id and its UCX *worker address*. The sender makes its UCX endpoint from that
 worker address with UCX error handling off: that is what lets UCX use shared memory and CMA
-(the ucxx listener path, and error handling, restrict it to TCP). The worker addresses are thus
+(the ucxx listener path, and error handling, restrict it to TCP). Only for a receiver in the
+sender's own network namespace (its address is one of the sender's): across namespaces on one
+machine UCX would still pick shared memory, but its wake-ups (abstract unix sockets) do not
+cross, and a sleeping receiver never sees the chunks; any other peer gets error handling on. The worker addresses are thus
 exchanged per link over this connection, not through the control plane: the receiver keeps one
 stable address across restarts (a worker address is new with every worker), and the connection
 stays open, silent, for the life of the link as each side's liveness check. The kernel closes
@@ -50,7 +53,7 @@ import structlog
 from pdflow.messages import KvChunkHeader
 from pdflow.transports.base import Transport
 from pdflow.transports.errors import PeerDisconnected, PeerUnreachable, TransportClosed
-from pdflow.transports.sockets import Acceptor, address_of, dial, listen_inet, split_address
+from pdflow.transports.sockets import Acceptor, address_of, dial, listen_inet, peer_is_local, split_address
 from pdflow.transports.ucx_link import (
     FRAME,
     GREETING,
@@ -103,7 +106,7 @@ class UcxTransport(Transport):
                                    welcome=read_welcome)  # fmt: skip
         link_id, worker_address = welcome  # type: ignore[misc]
         try:
-            endpoint = self._ucx().endpoint(worker_address)
+            endpoint = self._ucx().endpoint(worker_address, error_handling=not peer_is_local(sock))
         except UCXError as exc:
             sock.close()
             raise PeerUnreachable(f"cannot connect to {peer}: {exc}") from exc

@@ -140,7 +140,7 @@ class Conn(Link):
         handling it never completes for a stopped or dead peer, and close_blocking would hang)."""
         self.lost()
         if self.endpoint is not None:
-            self.worker.keep(self.endpoint.close())
+            self.worker.close_endpoint(self.endpoint)
         self.endpoint = None
         self.sock.close()
 

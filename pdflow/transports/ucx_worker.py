@@ -87,16 +87,28 @@ class UcxWorker:
         self.loop.add_reader(self._fd, self._kick)
         self._backstop = self.loop.call_later(1.0, self._tick)
 
-    def endpoint(self, address: bytes) -> Any:
-        """An endpoint to the worker at ``address``. Without UCX error handling, so UCX may pick
+    def endpoint(self, address: bytes, error_handling: bool = False) -> Any:
+        """An endpoint to the worker at ``address``. Without UCX error handling UCX may pick
         shared memory and CMA (error handling restricts it to transports that detect a dead
-        peer, i.e. TCP); whoever uses it must detect a dead peer another way."""
+        peer, i.e. TCP here), and whoever uses it must detect a dead peer another way. Shared
+        memory needs the peer in this network namespace too (UCX wakes a sleeping receiver
+        through an abstract unix socket, which is per namespace): pass ``error_handling`` for a
+        peer that is not."""
         ucx_address = ucx_api.UCXAddress.create_from_buffer(address)
-        return ucx_api.UCXEndpoint.create_from_worker_address(self.worker, ucx_address, False)
+        return ucx_api.UCXEndpoint.create_from_worker_address(self.worker, ucx_address, error_handling)
 
     def send(self, endpoint: Any, data: memoryview | bytes, tag: int) -> Any:
-        """Post a tagged send of ``data`` (read from its own memory until the request completes)."""
+        """Post a tagged send of ``data`` (read from its own memory until the request completes).
+        UCXError if ``endpoint`` (with error handling) has seen its peer fail."""
+        if not endpoint.alive:  # ucxx would hand back an empty request, which crashes on first use
+            raise UCXError("the endpoint's peer failed")
         return endpoint.tag_send(Array(data), ucx_api.UCXXTag(tag))
+
+    def close_endpoint(self, endpoint: Any) -> None:
+        """Close ``endpoint`` in the background (see :meth:`keep`); one whose peer failed (with
+        error handling) ucxx has closed already."""
+        if endpoint.alive:
+            self.keep(endpoint.close())
 
     def recv(self, buffer: memoryview | bytearray, tag: int) -> Any:
         """Post a tagged receive straight into ``buffer`` (written until the request completes)."""
