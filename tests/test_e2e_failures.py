@@ -32,6 +32,7 @@ def stream_id(ids: set[str]) -> str:
 
 
 POOL_BLOCKS = 5  # decode's pool here: 5 blocks of 64 tokens
+HEARTBEAT_TIMEOUT_S = 5  # a frozen stage is killed this long after its last heartbeat
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def server(tmp_path_factory, model_dir):
     kv = KvLayout.from_config(AutoConfig.from_pretrained(model_dir))
     pool_bytes = POOL_BLOCKS * 2 * kv.num_layers * kv.block_bytes(64)
     with PdflowServer(tmp_path_factory.mktemp("pdflow-failures"), log_format="json",
-                      kv={"decode_pool_bytes": pool_bytes}) as running:
+                      kv={"decode_pool_bytes": pool_bytes}, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as running:
         yield running
 
 
@@ -150,7 +151,7 @@ def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_b
         old.append(faults.kill9(server, "kv-shuttle-0"))
         assert faults.wait_replaced(server, "kv-shuttle-0", old[-1], 120) is not None, server.log()
         time.sleep(1)
-        old.append(faults.freeze(server, "prefill-0", 12))  # heartbeat_timeout_s = 10 on this server
+        old.append(faults.freeze(server, "prefill-0", HEARTBEAT_TIMEOUT_S + 2))
         assert faults.wait_replaced(server, "prefill-0", old[-1], 120) is not None, server.log()
         time.sleep(2)
     finally:

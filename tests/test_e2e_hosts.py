@@ -3,16 +3,19 @@ address, joined to the others by veth pairs and a bridge, its link shaped by tc)
 `pdflow run topology.toml --host NAME` in that namespace, as an operator would on each machine.
 
 One pipeline: ingress on `head` (which supervises), prefill, kv-shuttle and two decode replicas
-on four more hosts. It answers what the engine answers in-process; a decode process killed on its
+on four more hosts, and a second prefill replica on a sixth that the scaler (deciding on `head`)
+starts there under a burst and parks when quiet. It answers what the engine answers in-process; a decode process killed on its
 host is restarted by that host's launcher; a whole host going away is a dead replica to the
-others (its requests go to the other decode) until it comes back. All of it with KV over tcp, and
-again over ucx (over its tcp transport between namespaces: UCX's shared memory cannot wake a peer
-in another one). Skipped with the reason where namespaces cannot be made (not root, no iproute2)
-or the transport is not installed.
+others (its requests go to the other decode) until it comes back. KV goes into kv-shuttle over tcp
+and into decode over ucx (tcp where ucxx is not installed), so that both meet peers that die or
+vanish. Skipped with the reason where namespaces cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -23,24 +26,40 @@ from pdflow.testing.netns import Namespaces, unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
 
-HOSTS = ("head", "prefill", "shuttle", "decode-a", "decode-b")
+HOSTS = ("head", "prefill", "prefill-b", "shuttle", "decode-a", "decode-b")
 QUESTION = "What is the capital of France?"
 
 
-PLACEMENT = {"ingress": ["head"], "prefill": ["prefill"], "kv_shuttle": ["shuttle"],
+PLACEMENT = {"ingress": ["head"], "prefill": ["prefill", "prefill-b"], "kv_shuttle": ["shuttle"],
              "decode": ["decode-a", "decode-b"]}
+# prefill-1 (on prefill-b) is the scaler's: parked until prefill holds more than 2 requests for half
+# a second; parked again 3 s after it holds none
+SCALER = """
+[scaler]
+interval_s = 0.25
+window_s = 3
+prefill_queue_per_replica = 2
+decode_queue_per_replica = 100
+tbt_slo_ms = 60000
+ttft_slo_ms = 60000
+up_after_s = 0.5
+down_after_s = 3
+cooldown_s = 2
+"""
 
 
-@pytest.fixture(scope="module", params=["tcp", "ucx"])
-def cluster(request, tmp_path_factory):
-    problem = transports.availability(request.param)
-    if problem:
-        pytest.skip(f"transport {request.param!r} is not available here: {problem}")
+# KV into kv-shuttle over tcp, into decode over ucx (over its tcp between namespaces: UCX's
+# shared memory cannot wake a peer in another one), where ucxx is installed
+INTO_DECODE = "ucx" if transports.availability("ucx") is None else "tcp"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
     with Namespaces(HOSTS, bandwidth="10gbit") as net:
         running = Cluster(net, tmp_path_factory.mktemp("hosts"),
                           lambda secret: hosts_topology(net, secret, PLACEMENT, heartbeat_timeout_s=4,
-                                                        transport=request.param))
-        running.transport = request.param
+                                                        transports=("tcp", INTO_DECODE), min_replicas={"prefill": 1},
+                                                        extra=SCALER))
         for host in HOSTS:
             running.start(host)
         running.wait(lambda status, body: status == 200, "every stage on every host to be ready")
@@ -71,6 +90,37 @@ def test_stages_on_five_hosts_answer_as_the_engine_does_over_their_addresses(clu
     sockets = cluster.net.run("shuttle", ["ss", "-tnH"]).stdout
     for host in ("decode-a", "decode-b"):
         assert any(f"{cluster.net.address(host)}:{port}" in sockets for port in (5640, 5641)), sockets
+
+
+def test_the_scaler_starts_a_replica_on_its_host_and_parks_it_there(cluster, reference):
+    assert cluster.health()[1]["stages"]["prefill-1"]["state"] == "parked"
+
+    async def burst() -> list[str]:  # a client per loop: asyncio.run makes a new one each time
+        async with openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            replies = await asyncio.gather(*(client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=12)
+                for _ in range(8)))
+        return [r.choices[0].message.content for r in replies]
+
+    answers = []
+    deadline = time.monotonic() + 120
+    while cluster.health()[1]["stages"]["prefill-1"]["state"] != "ready":  # 8 at once > 2 per replica
+        assert time.monotonic() < deadline, cluster.health()
+        answers += asyncio.run(burst())
+    started = cluster.health()[1]["stages"]["prefill-1"]
+    assert "scaler.started_here" in (cluster.workdir / "prefill-b.log").read_text()  # by prefill-b's launcher
+    answers += asyncio.run(burst()) + asyncio.run(burst())
+    served = cluster.wait(lambda status, body: body["stages"]["prefill-1"].get("stats", {})
+                          .get("kv_sent_bytes@kv-shuttle", 0) > 0, "prefill-1 to have served", 30)
+    assert served["stages"]["prefill-1"]["pid"] == started["pid"]
+    cluster.wait(lambda status, body: body["stages"]["prefill-1"]["state"] == "parked", "prefill-1 to be parked", 60)
+    deadline = time.monotonic() + 10  # its host's launcher stops its process
+    while Path(f"/proc/{started['pid']}").exists():
+        assert time.monotonic() < deadline, "prefill-1's process outlived its parking"
+        time.sleep(0.2)
+    assert answers == [reference] * len(answers)
+    assert cluster.launchers["prefill-b"].poll() is None
 
 
 def test_a_stage_killed_on_its_host_is_restarted_there_and_announced(cluster, reference):

@@ -3,12 +3,14 @@ three-node Ray cluster on this machine (ray.cluster_utils.Cluster: a head and tw
 each a raylet of its own offering a custom resource named after a topology host). Every replica is
 a Ray actor on the node its host names; the pipeline answers what the engine answers in-process;
 a stage process killed on its node is restarted through Ray (a new actor, on the same host's
-node); a whole node going away is a dead replica until a node offering its host's resource joins,
+node); the scaler starts decode's second replica as an actor under a burst and ends it when
+quiet; a whole node going away is a dead replica until a node offering its host's resource joins,
 where its replica then starts again. Skipped where Ray is not installed (pip install 'pdflow[ray]').
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -23,6 +25,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray backend's tests need Ray (pip install 'pdflow[ray]')")
 
 from pdflow.testing.server import SECRET_ENV, free_port_base  # noqa: E402
+from pdflow.top import Scrape  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +33,21 @@ QUESTION = "What is the capital of France?"
 PLACEMENT = {"ingress": "head", "prefill": "prefill-node", "kv_shuttle": "prefill-node", "decode": "decode-node"}
 PLACED = sorted([("ingress-0", "head"), ("prefill-0", "prefill-node"), ("kv-shuttle-0", "prefill-node"),
                  ("decode-0", "decode-node")])
+
+
+# decode-1 is the scaler's: parked until decode's batch holds more than 3 sequences for half a
+# second; parked again once it held none for 1.5 s
+SCALER = """[scaler]
+interval_s = 0.25
+window_s = 3
+decode_queue_per_replica = 3
+prefill_queue_per_replica = 100
+tbt_slo_ms = 60000
+ttft_slo_ms = 60000
+up_after_s = 0.5
+down_after_s = 1.5
+cooldown_s = 1
+"""
 
 
 def topology(base: int) -> str:
@@ -70,10 +88,13 @@ data_port = {base + 8}
 
 [stages.decode]
 on = "decode-node"
-port = {base + 6}
-data_port = {base + 9}
+replicas = 2
+min_replicas = 1
+port = {base + 10}
+data_port = {base + 12}
 cores = [1]
-"""
+
+{SCALER}"""
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +117,7 @@ def pipeline(cluster, tmp_path_factory):
     from pdflow.security.keys import encode_secret, new_secret
 
     workdir = tmp_path_factory.mktemp("ray")
-    base = free_port_base()
+    base = free_port_base(14)
     path = workdir / "topology.toml"
     path.write_text(topology(base))
     log = open(workdir / "launcher.log", "wb")
@@ -175,6 +196,47 @@ def test_a_stage_killed_on_its_node_is_restarted_through_ray(pipeline, reference
                  and body["stages"]["decode-0"]["pid"] != pid)
     assert ask(url) == reference
     assert placed_actors() == PLACED  # the new actor on decode's node, the old one gone
+
+
+def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
+    url, proc, workdir = pipeline
+
+    def decode_1() -> dict:
+        return httpx.get(f"{url}/health", timeout=5).json()["stages"]["decode-1"]
+
+    async def burst() -> list[str]:  # a client per loop: asyncio.run makes a new one each time
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            replies = await asyncio.gather(*(client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40,
+                extra_body={"ignore_eos": True}) for _ in range(8)))
+        return [r.choices[0].message.content for r in replies]
+
+    def steps_of_decode_1() -> float:
+        return Scrape.parse(httpx.get(f"{url}/metrics", timeout=10).text, 0).value(
+            "pdflow_decode_steps_total", stage="decode", replica="1")
+
+    assert decode_1()["state"] == "parked"
+    alone = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40,
+        extra_body={"ignore_eos": True}).choices[0].message.content
+    answers = []
+    deadline = time.monotonic() + 120
+    while decode_1()["state"] != "ready":  # 8 at once in decode's batch > 3 per replica
+        assert time.monotonic() < deadline, decode_1()
+        answers += asyncio.run(burst())
+    assert placed_actors() == sorted(PLACED + [("decode-1", "decode-node")])
+    answers += asyncio.run(burst())
+    deadline = time.monotonic() + 10  # its counters come with its heartbeat
+    while not steps_of_decode_1():
+        assert time.monotonic() < deadline, "decode-1 never decoded"
+        time.sleep(0.2)
+    wait_healthy(url, proc, workdir, lambda body: body["stages"]["decode-1"]["state"] == "parked", 60)
+    deadline = time.monotonic() + 30  # its actor ends with its process
+    while placed_actors() != PLACED:
+        assert time.monotonic() < deadline, placed_actors()
+        time.sleep(0.5)
+    assert answers == [alone] * len(answers)
 
 
 def test_a_node_going_away_is_a_dead_replica_until_a_node_for_its_host_joins(cluster, pipeline, reference):

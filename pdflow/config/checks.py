@@ -71,9 +71,6 @@ def _check_scaled(pipeline: Pipeline, key: str, stage: StageConfig) -> None:
     if stage.scaled and stage.kind_name not in SCALABLE_KINDS:
         raise PipelineError(f"{key}.min_replicas", f"the scaler starts and stops {' and '.join(SCALABLE_KINDS)} "
                             f"replicas only (the others keep state or own a port); remove min_replicas")
-    if stage.scaled and pipeline.hosts:
-        raise PipelineError(f"{key}.min_replicas", "the scaler runs on one host for now (with [hosts], each host's "
-                            "launcher starts its own replicas); remove min_replicas or [hosts]")
 
 
 def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:

@@ -385,7 +385,10 @@ class Launcher(ScalingLauncher):
                 if rep.parked:
                     continue
                 if not rep.local:  # its host's launcher restarts it; here only its silence tells
-                    if rep.ready and now - rep.last_seen > limits.heartbeat_timeout_s:
+                    if rep.joining and now - rep.started_at > limits.ready_timeout_s:
+                        await self._park(rep, f"not ready {limits.ready_timeout_s:g} s after the scaler started it "
+                                         f"(is host {rep.host} up?)")
+                    elif rep.ready and now - rep.last_seen > limits.heartbeat_timeout_s:
                         await self._announce_down(rep, f"no heartbeat for {now - rep.last_seen:.1f} s "
                                                   f"(host {rep.host})")
                     continue
@@ -437,8 +440,13 @@ class Launcher(ScalingLauncher):
 
     async def _remote_exit(self, rep: _Replica, message: ReplicaExited) -> None:
         """Another host's launcher saw ``rep``'s process exit (and restarts it, or gave up)."""
+        if rep.parked:
+            return  # stopped by its launcher because the scaler parked it
         if rep.ready or not rep.down:
             await self._announce_down(rep, f"{message.reason} on host {rep.host}")
+        if rep.draining_since is not None:  # the scaler was stopping it anyway (its host hears it is parked)
+            await self._park(rep, f"died while draining ({message.reason} on host {rep.host})")
+            return
         if message.restarting:
             rep.restarts += 1
             self._print_status(f"{self._name(rep)} died on host {rep.host} ({message.reason}); its host restarts it")
@@ -481,6 +489,7 @@ class Launcher(ScalingLauncher):
                 if rep is None:
                     continue
                 if isinstance(message, StageStatus):
+                    self._follow_scaler(rep, message.state)
                     rep.ready = message.state == "ready" and message.pid == (rep.process.pid if rep.process else 0)
                 elif isinstance(message, StageDown) and message.reason.startswith("no heartbeat"):
                     if rep.process is not None and rep.process.is_alive() and \
@@ -488,11 +497,13 @@ class Launcher(ScalingLauncher):
                         log.error("stage.silent", stage=self._name(rep), hint="the supervisor heard nothing from it; "
                                   "killing it to restart it")
                         rep.process.kill()
-            if not announced and all(rep.ready for rep in self.replicas.values()):
+            if not announced and all(rep.ready or rep.parked for rep in self.replicas.values()):
                 announced = True
                 self._print_status(f"host {self.host} ready")
             now = time.monotonic()
             for rep in self.replicas.values():
+                if rep.parked:
+                    continue
                 if rep.restart_at is not None:
                     if now >= rep.restart_at:
                         self._start(rep)

@@ -15,6 +15,13 @@ A scaled stage (``min_replicas`` below ``replicas``) has ``replicas`` slots, eac
 
 Each change is logged (``scaler.up`` / ``scaler.down`` with the reason) and printed in the status
 table; ``GET /metrics`` counts replicas by state.
+
+Several hosts: the supervising launcher decides for every slot, wherever it is placed, and says
+so in the ``StageStatus`` it publishes (at once on a change, and every second). A slot on
+another host is started and stopped by that host's launcher (:meth:`ScalingLauncher._follow_scaler`),
+when the state it hears leaves or becomes ``parked``; heartbeats tell the supervisor when it
+drained, as for its own. With ``--backend ray`` every replica is the supervisor's: it starts and
+stops the actors itself.
 """
 
 from __future__ import annotations
@@ -82,7 +89,10 @@ class ScalingLauncher:
             return
         rep = parked[0]
         rep.parked, rep.joining = False, True
-        self._start(rep)
+        if rep.local:
+            self._start(rep)
+        else:  # its host's launcher starts it on hearing it is no longer parked (published below)
+            rep.started_at = time.monotonic()
         log.info("scaler.up", stage=self._name(rep), reason=why)
         self._print_status(f"scaler: {self._name(rep)} starts ({why})")
         await self._publish_status()
@@ -100,15 +110,31 @@ class ScalingLauncher:
 
     async def _park(self, rep, why: str) -> None:
         rep.draining_since, rep.parked, rep.ready, rep.joining, rep.pid = None, True, False, False, 0
-        process, rep.process = rep.process, None
+        self._stop_process(rep)  # another host's: its launcher stops it on hearing it is parked
+        log.info("scaler.parked", stage=self._name(rep), reason=why)
+        self._print_status(f"scaler: {self._name(rep)} parked ({why})")
+        await self._publish_status()
+
+    def _stop_process(self, rep) -> None:
+        """SIGTERM ``rep``'s process if it runs here, and reap it off the supervision loop."""
+        process, rep.process, rep.restart_at = rep.process, None, None
         if process is not None and process.is_alive():
             process.terminate()
             task = asyncio.get_running_loop().create_task(_reap(process))
             self.reaping.add(task)
             task.add_done_callback(self.reaping.discard)
-        log.info("scaler.parked", stage=self._name(rep), reason=why)
-        self._print_status(f"scaler: {self._name(rep)} parked ({why})")
-        await self._publish_status()
+
+    def _follow_scaler(self, rep, state: str) -> None:
+        """A host's launcher, on the supervisor's state for one of its slots: start the parked
+        slot that the scaler started, stop the running one it parked."""
+        if rep.parked and state != "parked":
+            rep.parked = False
+            self._start(rep)
+            log.info("scaler.started_here", stage=self._name(rep), state=state)
+        elif not rep.parked and state == "parked":
+            rep.parked, rep.ready = True, False
+            self._stop_process(rep)
+            log.info("scaler.parked_here", stage=self._name(rep))
 
 
 def _work(rep) -> int:

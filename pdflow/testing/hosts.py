@@ -30,11 +30,14 @@ _CORES = {"prefill": "[0]", "decode": "[1]"}  # as the default topology pins the
 
 
 def hosts_topology(net: Namespaces, secret_file: Path, placement: dict[str, Sequence[str]],
-                   heartbeat_timeout_s: float = 10, request_timeout_s: float = 120, transport: str = "tcp") -> str:
+                   heartbeat_timeout_s: float = 10, request_timeout_s: float = 120,
+                   transports: tuple[str, str] = ("tcp", "tcp"), min_replicas: dict[str, int] | None = None,
+                   extra: str = "") -> str:
     """A PD topology over hosts of ``net`` (each at its namespace's address, binding every
     address; ingress on ``head``, which supervises): ``placement`` maps each stage to the hosts of
-    its replicas, one each; the planes authenticated with ``secret_file``; KV over ``transport``
-    (into kv-shuttle and into decode, and so on every link)."""
+    its replicas, one each; the planes authenticated with ``secret_file``; KV over ``transports``
+    (into kv-shuttle, which its links out of decode and into prefill then use; into decode). ``min_replicas``: per stage, for
+    the scaler (its ``[scaler]`` table in ``extra``, TOML appended as it is)."""
     hosts = dict.fromkeys(host for on in placement.values() for host in on)
     tables = [f'[hosts.{name}]\naddress = "{net.address(name)}"\nbind = "0.0.0.0"\n' for name in hosts]
     for stage, on in placement.items():
@@ -42,8 +45,10 @@ def hosts_topology(net: Namespaces, secret_file: Path, placement: dict[str, Sequ
                  f'on = "{on[0]}"' if len(on) == 1 else "on = [" + ", ".join(f'"{h}"' for h in on) + "]"]
         if stage in _CORES:
             lines.append(f"cores = {_CORES[stage]}")
+        if stage in (min_replicas or {}):
+            lines.append(f"min_replicas = {min_replicas[stage]}")
         tables.append("\n".join(lines) + "\n")
-    for src, dst in (("prefill", "kv_shuttle"), ("kv_shuttle", "decode")):
+    for (src, dst), transport in zip((("prefill", "kv_shuttle"), ("kv_shuttle", "decode")), transports):
         tables.append(f'[[links]]\nsrc = "{src}"\ndst = "{dst}"\ntransport = "{transport}"\n')
     body = "\n".join(tables)
     return f"""
@@ -64,7 +69,8 @@ ready_timeout_s = 300
 heartbeat_timeout_s = {heartbeat_timeout_s}
 request_timeout_s = {request_timeout_s}
 
-{body}"""
+{body}
+{extra}"""
 
 
 class Cluster:

@@ -58,7 +58,7 @@ def topology_text(base: int, transport: str = "tcp", extra: str = "", mode: str 
                   link_options: dict | None = None, request_timeout_s: float = 120, kv: dict | None = None,
                   server: dict | None = None, egress: bool = False, codec: str = "none",
                   decode_link_options: dict | None = None, decode_codec: str | None = None,
-                  decode_codec_options: dict | None = None) -> str:
+                  decode_codec_options: dict | None = None, heartbeat_timeout_s: float = 10) -> str:
     """A topology on ports ``base`` .. ``base + 10``; ``link_options`` go on the prefill -> kv_shuttle
     link; ``kv`` and ``server``: more settings of the [kv] and [server] tables; ``egress``: an
     egress stage detokenizes (else ingress does); ``codec``: every link's KV codec;
@@ -81,7 +81,7 @@ secret_env = "{SECRET_ENV}"
 [limits]
 max_batch = 32
 ready_timeout_s = 240
-heartbeat_timeout_s = 10
+heartbeat_timeout_s = {heartbeat_timeout_s}
 request_timeout_s = {request_timeout_s}
 
 [kv]
@@ -215,7 +215,7 @@ class PdflowServer:
                  kv: dict | None = None, api_key: str | None = None, server: dict | None = None,
                  egress: bool = False, codec: str = "none", decode_link_options: dict | None = None,
                  decode_codec: str | None = None, decode_codec_options: dict | None = None,
-                 topology: Callable[[int], str] | None = None, ports: int = _PORTS):
+                 topology: Callable[[int], str] | None = None, ports: int = _PORTS, heartbeat_timeout_s: float = 10):
         """``topology(base)``: the topology's text on ports ``base`` .. ``base + ports - 1``
         (its server on ``base``; ``[security] secret_env = SECRET_ENV``), instead of
         :func:`topology_text`'s from the other settings."""
@@ -232,7 +232,7 @@ class PdflowServer:
             topology(base) if topology is not None else
             topology_text(base, transport, extra, mode, chunked_prefill_tokens, kv_streaming, link_options,
                           request_timeout_s, kv, server, egress, codec, decode_link_options, decode_codec,
-                          decode_codec_options)
+                          decode_codec_options, heartbeat_timeout_s)
         )
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s
