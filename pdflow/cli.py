@@ -84,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("file", help="where to write it, e.g. pipeline.key")
     _bench_parser(sub)
     _trace_parser(sub)
+    _plan_parser(sub)
     top = sub.add_parser("top", help="a live view of a running pdflow (rates, latency, replicas, KV), from /metrics",
                          description="Scrape GET /metrics of a running pdflow every interval and show request "
                          "and token rates, TTFT/TBT/E2E percentiles, each stage's replicas and the KV stores "
@@ -154,6 +155,14 @@ def _bench_parser(sub) -> None:
         bench_module.add_arguments(bench_sub.add_parser(
             name, help=summary, description=bench_module.DESCRIPTION,
             formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def _plan_parser(sub) -> None:
+    from pdflow.plan import cli as plan_cli
+
+    plan_cli.add_arguments(sub.add_parser(
+        "plan", help="size a deployment: KV bytes, transfer times, store capacity for a trace, a P:D split",
+        description=plan_cli.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _trace_parser(sub) -> None:
@@ -272,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdflow import top
 
         return top.main(args)
+    if args.command == "plan":
+        from pdflow.plan import cli as plan_cli
+
+        return plan_cli.main(args)
     if args.command == "trace":
         from pdflow.timeline import cli_trace
 
