@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     _trace_parser(sub)
     _plan_parser(sub)
+    _simulate_parser(sub)
+    from pdflow.simulate import measure
+
+    measure.add_arguments(sub.add_parser(
+        "profile", help="measure this machine's stage costs into a simulator profile",
+        description=measure.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
     top = sub.add_parser("top", help="a live view of a running pdflow (rates, latency, replicas, KV), from /metrics",
                          description="Scrape GET /metrics of a running pdflow every interval and show request "
                          "and token rates, TTFT/TBT/E2E percentiles, each stage's replicas and the KV stores "
@@ -163,6 +169,14 @@ def _plan_parser(sub) -> None:
     plan_cli.add_arguments(sub.add_parser(
         "plan", help="size a deployment: KV bytes, transfer times, store capacity for a trace, a P:D split",
         description=plan_cli.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def _simulate_parser(sub) -> None:
+    from pdflow.simulate import cli as simulate_cli
+
+    simulate_cli.add_arguments(sub.add_parser(
+        "simulate", help="a trace through a simulated deployment, with pdflow's own routers and scaler",
+        description=simulate_cli.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _trace_parser(sub) -> None:
@@ -281,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         from pdflow import top
 
         return top.main(args)
+    if args.command == "profile":
+        from pdflow.simulate import measure
+
+        return measure.main(args)
+    if args.command == "simulate":
+        from pdflow.simulate import cli as simulate_cli
+
+        return simulate_cli.main(args)
     if args.command == "plan":
         from pdflow.plan import cli as plan_cli
 

@@ -30,10 +30,10 @@ def _slo(m: dict) -> str:
     return ", ".join(p for p in parts if p) or "no SLO set: every completed request counts"
 
 
-def table(run_label: str, m: dict) -> str:
+def table(run_label: str, m: dict, title: str = "pdflow bench serve") -> str:
     usage = m["completed"] - m["usage_missing"]
     lines = [
-        f" pdflow bench serve: {run_label} ".center(WIDTH, "="),
+        f" {title}: {run_label} ".center(WIDTH, "="),
         f"{'requests':<26}{m['requests']} sent, {m['completed']} completed, {m['failed']} failed",
         f"{'duration':<26}{m['duration_s']:.2f} s",
         f"{'request throughput':<26}{m['request_throughput']:.3f} req/s",

@@ -1,0 +1,349 @@
+"""A discrete-event model of a PD pipeline: ingress routing with pdflow's own routers, prefill
+replicas, KV stores, decode replicas with continuous batching, the links between them, and
+pdflow's own scaler; stage costs from a :class:`~pdflow.simulate.profile.Profile`.
+
+What is modelled, and how:
+
+- **Ingress** routes each request on arrival, per stage (``prefill``, ``kv_shuttle``,
+  ``decode``), through the :class:`~pdflow.routing.Router` the run names, as pdflow's ingress does:
+  healthy (ready, not draining) replicas only, each with its exact count of requests held; for a
+  router that asks, each store's prefix of the prompt (blocks it holds or is receiving) and what it
+  has stored (what could be fetched). The prompt is a :class:`~pdflow.simulate.workload.TracePrompt`.
+- **Stores** (one per kv-shuttle replica) hold blocks under LRU (``store_blocks`` each; None: no
+  limit). A request reads the leading run of its blocks its store holds (whole blocks, never the
+  prompt's last token, as pdflow); a router's ``fetch_from`` adds the run another store has
+  beyond that, at ``fetch_gbit_per_s``; every block is stored once prefill ends.
+- **Prefill** replicas take requests first come first served, one at a time; the new tokens of a
+  prompt with ``c`` cached cost ``F(c + n) - F(c)`` (:meth:`Profile.prefill_s`).
+- **The link**: decode holds all of a request's KV (prefix read from the store and new tokens
+  alike) the streamed tail after prefill ends (:func:`pdflow.plan.transfer.transfer`, layer
+  streaming); links are not shared between requests (no contention).
+- **Decode** replicas run continuous batching up to ``max_batch``: a request joins at a step
+  boundary once its KV is in and emits its first token then (prefill computed it); every step
+  emits one token per sequence and costs :meth:`Profile.decode_step_s` at the batch's size and
+  mean context. Between joins and ends the steps are advanced in one event.
+- **The scaler**: pdflow's :class:`~pdflow.runtime.scaler.Scaler` decides every ``interval_s``
+  from the same :class:`~pdflow.runtime.scaler.Load` the launcher builds (running replicas,
+  prefill's queue, decode's batch, TTFT and TBT p90 over ``window_s``); a started replica is ready
+  ``replica_start_s`` later; a stopped one drains first.
+
+Not modelled: the control plane's own latency, tokenization and detokenization, KV transfer
+contention, store eviction of blocks in use, failures.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdflow.plan.transfer import bytes_per_s, transfer
+from pdflow.routing import ReplicaStatus, Router, RoutingRequest
+from pdflow.simulate.profile import Profile
+from pdflow.simulate.workload import SimRequest, TracePrompt
+
+__all__ = ["Cluster", "Deployment"]
+
+
+@dataclass(frozen=True)
+class Deployment:
+    prefill: int = 1
+    decode: int = 1
+    stores: int | None = None  # kv-shuttle replicas; None: one per prefill replica
+    store_blocks: int | None = None  # blocks each store holds; None: no limit
+    block_tokens: int = 512
+    kv_streaming: str = "layer"  # or "request": the transfer starts when prefill ends
+    # the scaler: per stage the fewest replicas to run (None: not scaled; prefill/decode above
+    # are then the most)
+    min_prefill: int | None = None
+    min_decode: int | None = None
+
+
+class _Store:
+    def __init__(self, capacity: int | None) -> None:
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.capacity = capacity
+        self.coming: dict[int, int] = {}  # block -> requests routed here that will store it
+
+    def prefix(self, ids: Sequence[int], coming: bool) -> int:
+        n = 0
+        for block in ids:
+            if block in self.blocks or (coming and block in self.coming):
+                n += 1
+            else:
+                break
+        return n
+
+    def touch(self, ids: Sequence[int]) -> None:
+        blocks = self.blocks
+        for block in ids:
+            blocks[block] = None
+            blocks.move_to_end(block)
+        if self.capacity is not None:
+            while len(blocks) > self.capacity:
+                blocks.popitem(last=False)
+
+    def expect(self, ids: Sequence[int], delta: int) -> None:
+        for block in ids:
+            left = self.coming.get(block, 0) + delta
+            if left > 0:
+                self.coming[block] = left
+            else:
+                self.coming.pop(block, None)
+
+
+class _Replica:
+    def __init__(self, number: int, parked: bool = False) -> None:
+        self.number = number
+        self.parked = parked
+        self.ready_at = 0.0
+        self.draining = False
+        self.assigned = 0  # requests routed here and not done with it
+
+    def routable(self, now: float) -> bool:
+        return not self.parked and not self.draining and now >= self.ready_at
+
+
+class _Prefill(_Replica):
+    def __init__(self, number: int, parked: bool = False) -> None:
+        super().__init__(number, parked)
+        self.queue: deque[SimRequest] = deque()
+        self.busy = False
+
+
+class _Seq:
+    __slots__ = ("request", "left", "context")
+
+    def __init__(self, request: SimRequest, left: int, context: int) -> None:
+        self.request, self.left, self.context = request, left, context
+
+
+class _Decode(_Replica):
+    def __init__(self, number: int, parked: bool = False) -> None:
+        super().__init__(number, parked)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[_Seq] = []
+        self.run_start = 0.0
+        self.step_s = 0.0
+        self.steps = 0  # planned in this run
+        self.version = 0  # a tick of an older plan is ignored
+
+
+class Cluster:
+    def __init__(self, profile: Profile, deployment: Deployment, router: Router, scaler=None) -> None:
+        self.profile, self.deploy, self.router, self.scaler = profile, deployment, router, scaler
+        d = deployment
+        self.prefills = [_Prefill(i, d.min_prefill is not None and i >= d.min_prefill) for i in range(d.prefill)]
+        self.decodes = [_Decode(i, d.min_decode is not None and i >= d.min_decode) for i in range(d.decode)]
+        self.stores = [_Store(d.store_blocks) for _ in range(d.stores or d.prefill)]
+        self.store_load = [0] * len(self.stores)
+        self.events: list = []
+        self._order = itertools.count()
+        self.now = 0.0
+        self.finished: list[SimRequest] = []
+        self.recent_ttft: deque[tuple[float, float]] = deque()
+        self.recent_tbt: deque[tuple[float, float]] = deque()
+        self.replica_log: list[tuple[float, int, int]] = []  # (time, prefill running, decode running)
+        self._fetch_rate = bytes_per_s(profile.fetch_gbit_per_s)
+
+    # --- the event loop ---------------------------------------------------------------------
+
+    def _at(self, when: float, action, *args) -> None:
+        heapq.heappush(self.events, (when, next(self._order), action, args))
+
+    def run(self, requests: list[SimRequest], scaler_interval_s: float = 1.0) -> list[SimRequest]:
+        for request in requests:
+            self._at(request.arrival_s, self._arrive, request)
+        if self.scaler is not None:
+            self._at(0.0, self._scale, scaler_interval_s)
+        self._log_replicas()
+        while self.events and len(self.finished) < len(requests):
+            self.now, _, action, args = heapq.heappop(self.events)
+            action(*args)
+        return self.finished
+
+    # --- ingress ----------------------------------------------------------------------------
+
+    def _statuses(self, replicas: list[_Replica]) -> list[ReplicaStatus]:
+        return [ReplicaStatus(r.number, in_flight=r.assigned, assigned=r.assigned)
+                for r in replicas if r.routable(self.now)]
+
+    def _arrive(self, request: SimRequest) -> None:
+        block = self.deploy.block_tokens
+        prompt = RoutingRequest(str(request.index), TracePrompt(request.hash_ids, request.input_len, block))
+        p = self.router.route("prefill", prompt, self._statuses(self.prefills))
+        d = self.router.route("decode", prompt, self._statuses(self.decodes))
+        stores = [ReplicaStatus(i, in_flight=n, assigned=n) for i, n in enumerate(self.store_load)]
+        if self.router.uses_holdings:
+            stores = [ReplicaStatus(i, in_flight=n, assigned=n,
+                                    cached_tokens=min(self.stores[i].prefix(request.hash_ids, True) * block,
+                                                      request.input_len),
+                                    stored_tokens=min(self.stores[i].prefix(request.hash_ids, False) * block,
+                                                      request.input_len))
+                      for i, n in enumerate(self.store_load)]
+        s = self.router.route("kv_shuttle", prompt, stores)
+        holder = self.router.fetch_from("kv_shuttle", prompt, s, stores)
+        request.route = (p, s, d)
+        store = self.stores[s]
+        reusable = (request.input_len - 1) // block  # whole blocks, never the last token
+        own = min(store.prefix(request.hash_ids, False), reusable)
+        fetched = 0
+        if holder is not None and holder != s:
+            fetched = max(0, min(self.stores[holder].prefix(request.hash_ids, False), reusable) - own)
+            self.stores[holder].touch(request.hash_ids[own:own + fetched])
+        store.touch(request.hash_ids[:own])
+        request.cached_tokens, request.fetched_tokens = (own + fetched) * block, fetched * block
+        store.expect(request.hash_ids, 1)
+        self.store_load[s] += 1
+        self.prefills[p].assigned += 1
+        self.decodes[d].assigned += 1
+        fetch_s = fetched * block * self.profile.kv_bytes_per_token / self._fetch_rate if fetched else 0.0
+        self._at(self.now + fetch_s, self._enqueue, request)
+
+    # --- prefill ----------------------------------------------------------------------------
+
+    def _enqueue(self, request: SimRequest) -> None:
+        replica = self.prefills[request.route[0]]
+        replica.queue.append(request)
+        if not replica.busy:
+            self._next_prefill(replica)
+
+    def _next_prefill(self, replica: _Prefill) -> None:
+        if not replica.queue:
+            replica.busy = False
+            return
+        request = replica.queue.popleft()
+        replica.busy = True
+        new = request.input_len - request.cached_tokens
+        seconds = self.profile.prefill_s(new, request.cached_tokens)
+        self._at(self.now + seconds, self._prefilled, replica, request, seconds)
+
+    def _prefilled(self, replica: _Prefill, request: SimRequest, seconds: float) -> None:
+        replica.assigned -= 1
+        store = self.stores[request.route[1]]
+        store.expect(request.hash_ids, -1)
+        store.touch(request.hash_ids)
+        self.store_load[request.route[1]] -= 1
+        total = request.input_len * self.profile.kv_bytes_per_token
+        move = transfer(total, self.profile.layers, self.profile.link_gbit_per_s, seconds, self.profile.link_latency_s)
+        tail = move.streamed_tail_s if self.deploy.kv_streaming == "layer" else move.whole_s
+        self._at(self.now + tail, self._kv_in, request)
+        self._next_prefill(replica)
+
+    # --- decode -----------------------------------------------------------------------------
+
+    def _kv_in(self, request: SimRequest) -> None:
+        replica = self.decodes[request.route[2]]
+        replica.waiting.append(request)
+        if not replica.running:
+            self._tick(replica, replica.version)
+        elif replica.steps:  # joins at the next step boundary: the run is cut there
+            done = math.floor((self.now - replica.run_start) / replica.step_s + 1e-9)
+            if done < replica.steps:  # (else the run's own end is due now, and admits it)
+                replica.version += 1
+                boundary = replica.run_start + (done + 1) * replica.step_s
+                self._advance(replica, done + 1, boundary)
+                replica.steps = 0  # a tick at the boundary is coming: later arrivals wait for it
+                self._at(boundary, self._tick, replica, replica.version)
+
+    def _advance(self, replica: _Decode, steps: int, until: float) -> None:
+        """Account ``steps`` steps of the running batch (ending at ``until``): tokens and gaps."""
+        if steps <= 0:
+            return
+        gap = replica.step_s
+        for seq in replica.running:
+            seq.request.gaps.extend([gap] * steps)
+            seq.left -= steps
+            seq.context += steps
+        self.recent_tbt.append((until, gap))
+        replica.run_start, replica.steps = until, replica.steps - steps
+
+    def _tick(self, replica: _Decode, version: int) -> None:
+        """The end of a run: apply its remaining steps, end what finished, admit, plan the next."""
+        if version != replica.version:
+            return
+        if replica.running:
+            self._advance(replica, replica.steps, replica.run_start + replica.steps * replica.step_s)
+            still = []
+            for seq in replica.running:
+                if seq.left <= 0:
+                    self._finish(replica, seq.request)
+                else:
+                    still.append(seq)
+            replica.running = still
+        room = self.profile.max_batch - len(replica.running)
+        while replica.waiting and room > 0:
+            request = replica.waiting.popleft()
+            room -= 1
+            request.first_token_s = self.now
+            self.recent_ttft.append((self.now, self.now - request.arrival_s))
+            if request.output_len <= 1:
+                self._finish(replica, request)
+            else:
+                replica.running.append(_Seq(request, request.output_len - 1, request.input_len + 1))
+        replica.version += 1
+        if replica.running:
+            steps = min(seq.left for seq in replica.running)
+            mean_context = sum(seq.context for seq in replica.running) / len(replica.running) + steps / 2
+            replica.step_s = self.profile.decode_step_s(len(replica.running), mean_context)
+            replica.run_start, replica.steps = self.now, steps
+            self._at(self.now + steps * replica.step_s, self._tick, replica, replica.version)
+
+    def _finish(self, replica: _Decode, request: SimRequest) -> None:
+        request.done_s = self.now
+        replica.assigned -= 1
+        self.finished.append(request)
+
+    # --- the scaler -------------------------------------------------------------------------
+
+    def _scale(self, interval_s: float) -> None:
+        from pdflow.runtime.scaler import Load, StageLoad
+
+        now = self.now
+        self._settle_drains()
+        window = self.scaler.config.window_s
+        for recent in (self.recent_ttft, self.recent_tbt):
+            while recent and recent[0][0] < now - window:
+                recent.popleft()
+        d = self.deploy
+        stages = {}
+        for name, kind, replicas, floor in (("prefill", "prefill", self.prefills, d.min_prefill),
+                                            ("decode", "decode", self.decodes, d.min_decode)):
+            if floor is None:
+                continue
+            running = [r for r in replicas if not r.parked and not r.draining]
+            work = sum(len(r.queue) + r.busy for r in running) if kind == "prefill" else \
+                sum(len(r.running) for r in running)
+            stages[name] = StageLoad(kind, len(running), work, floor, len(replicas))
+        load = Load(stages, _p90(self.recent_ttft), _p90(self.recent_tbt))
+        for stage, (step, _why) in self.scaler.decide(load, now).items():
+            replicas = self.prefills if stage == "prefill" else self.decodes
+            if step > 0:
+                parked = [r for r in replicas if r.parked]
+                if parked:
+                    parked[0].parked, parked[0].ready_at = False, now + self.profile.replica_start_s
+            else:
+                candidates = [r for r in replicas if not r.parked and not r.draining and r.routable(now)]
+                if len(candidates) > 1:
+                    min(candidates, key=lambda r: (r.assigned, -r.number)).draining = True
+        self._log_replicas()
+        self._at(now + interval_s, self._scale, interval_s)
+
+    def _settle_drains(self) -> None:
+        for replica in (*self.prefills, *self.decodes):
+            if replica.draining and replica.assigned == 0:
+                replica.draining, replica.parked = False, True
+
+    def _log_replicas(self) -> None:
+        self.replica_log.append((self.now, sum(not r.parked for r in self.prefills),
+                                 sum(not r.parked for r in self.decodes)))
+
+
+def _p90(recent: deque[tuple[float, float]]) -> float | None:
+    if not recent:
+        return None
+    values = sorted(v for _, v in recent)
+    return values[min(len(values) - 1, int(0.9 * len(values)))]

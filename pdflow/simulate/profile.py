@@ -1,0 +1,144 @@
+"""What each stage costs, for the simulator: a *profile*, measured on a machine (``pdflow profile``)
+or written by hand for one that is not here (with its source stated).
+
+A profile is JSON::
+
+    {"name": "...", "source": "how these numbers were obtained",
+     "layers": 30, "kv_bytes_per_token": 46080,
+     "prefill": {"tokens": [128, 512, 2048], "seconds": [0.05, 0.21, 1.1]},
+     "decode": {"batch": [1, 8, 32], "context": [256, 2048], "seconds": [[...], [...]]},
+     "link": {"gbit_per_s": 25.0, "latency_s": 0.0001},
+     "fetch_gbit_per_s": 25.0, "replica_start_s": 1.0, "max_batch": 32}
+
+- ``prefill``: one replica's time to compute a prompt of ``tokens`` tokens from nothing. With a
+  cached prefix of ``c`` tokens, the ``n`` new ones cost ``F(c + n) - F(c)``: causal attention
+  makes token ``i`` cost what it costs in any prompt, so the difference is the new tokens' own
+  share, their attention over the prefix included. ``F`` is linear between the points and
+  extended along the last segment's slope beyond them.
+- ``decode``: one step of a batch of ``batch`` sequences whose mean context is ``context``,
+  bilinear between the grid's points (``seconds[i][j]``: ``context[i]``, ``batch[j]``), extended
+  linearly beyond it.
+- ``link``: the prefill -> store -> decode path's speed (decimal Gbit/s) and latency; KV streams
+  layer by layer (:func:`pdflow.plan.transfer.transfer`). ``fetch_gbit_per_s``: between two
+  stores. ``replica_start_s``: a replica the scaler starts takes this long to be ready.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Profile"]
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise linear through (xs, ys), extended along the end segments."""
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0] if xs[0] else 1.0)
+    i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class Profile:
+    name: str
+    layers: int
+    kv_bytes_per_token: float
+    prefill_tokens: list[int]
+    prefill_seconds: list[float]
+    decode_batch: list[int]
+    decode_context: list[int]
+    decode_seconds: list[list[float]]  # [context index][batch index]
+    link_gbit_per_s: float = 25.0
+    link_latency_s: float = 0.0
+    fetch_gbit_per_s: float = 25.0
+    replica_start_s: float = 1.0
+    max_batch: int = 32
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    # --- costs ------------------------------------------------------------------------------
+
+    def full_prefill_s(self, tokens: float) -> float:
+        """F: a prompt of ``tokens`` computed from nothing."""
+        if tokens <= 0:
+            return 0.0
+        first = self.prefill_seconds[0] * tokens / self.prefill_tokens[0]  # below the first point: pro rata
+        return first if tokens < self.prefill_tokens[0] else _interp(self.prefill_tokens, self.prefill_seconds, tokens)
+
+    def prefill_s(self, new_tokens: float, cached_tokens: float = 0) -> float:
+        """``new_tokens`` computed after ``cached_tokens`` read from a store."""
+        return max(0.0, self.full_prefill_s(cached_tokens + new_tokens) - self.full_prefill_s(cached_tokens))
+
+    def decode_step_s(self, batch: int, context: float) -> float:
+        """One step of ``batch`` sequences of mean ``context`` tokens."""
+        rows = [_interp(self.decode_batch, row, batch) for row in self.decode_seconds]
+        return max(1e-6, _interp(self.decode_context, rows, context))
+
+    # --- files ------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """ValueError naming the file and the key that is missing or wrong."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+        return cls.from_dict(raw, str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "profile") -> Profile:
+        try:
+            link = raw.get("link", {})
+            return cls(
+                name=str(raw.get("name", where)), layers=int(raw["layers"]),
+                kv_bytes_per_token=float(raw["kv_bytes_per_token"]),
+                prefill_tokens=[int(x) for x in raw["prefill"]["tokens"]],
+                prefill_seconds=[float(x) for x in raw["prefill"]["seconds"]],
+                decode_batch=[int(x) for x in raw["decode"]["batch"]],
+                decode_context=[int(x) for x in raw["decode"]["context"]],
+                decode_seconds=[[float(x) for x in row] for row in raw["decode"]["seconds"]],
+                link_gbit_per_s=float(link.get("gbit_per_s", 25.0)), link_latency_s=float(link.get("latency_s", 0.0)),
+                fetch_gbit_per_s=float(raw.get("fetch_gbit_per_s", link.get("gbit_per_s", 25.0))),
+                replica_start_s=float(raw.get("replica_start_s", 1.0)), max_batch=int(raw.get("max_batch", 32)),
+                source=str(raw.get("source", "")), extra=dict(raw.get("extra", {})))
+        except KeyError as exc:
+            raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "source": self.source, "layers": self.layers,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "prefill": {"tokens": self.prefill_tokens, "seconds": self.prefill_seconds},
+                "decode": {"batch": self.decode_batch, "context": self.decode_context, "seconds": self.decode_seconds},
+                "link": {"gbit_per_s": self.link_gbit_per_s, "latency_s": self.link_latency_s},
+                "fetch_gbit_per_s": self.fetch_gbit_per_s, "replica_start_s": self.replica_start_s,
+                "max_batch": self.max_batch, "extra": self.extra}
+
+    def _check(self) -> None:
+        def rising(name: str, xs: list) -> None:
+            if not xs or any(b <= a for a, b in zip(xs, xs[1:])) or xs[0] <= 0:
+                raise ValueError(f"{self.name}: {name} must be positive and rising, got {xs}")
+
+        rising("prefill.tokens", self.prefill_tokens)
+        rising("decode.batch", self.decode_batch)
+        rising("decode.context", self.decode_context)
+        if len(self.prefill_seconds) != len(self.prefill_tokens) or min(self.prefill_seconds) <= 0:
+            raise ValueError(f"{self.name}: prefill.seconds must be one positive time per prefill.tokens")
+        if len(self.decode_seconds) != len(self.decode_context) or \
+                any(len(row) != len(self.decode_batch) or min(row) <= 0 for row in self.decode_seconds):
+            raise ValueError(f"{self.name}: decode.seconds must be a row per decode.context, a positive time per "
+                             "decode.batch")
+        for name in ("layers", "kv_bytes_per_token", "link_gbit_per_s", "fetch_gbit_per_s", "max_batch"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{self.name}: {name} must be > 0, got {getattr(self, name)}")

@@ -1,0 +1,186 @@
+"""The simulator: a request's times computed by hand from the profile, FIFO prefill and joins at
+step boundaries, prefix reuse priced as the profile says, pdflow's own routers (a custom one
+too) and scaler deciding, and the command."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pdflow import cli
+from pdflow.config.pipeline import ScalerConfig
+from pdflow.plan.transfer import transfer
+from pdflow.routing import ReplicaStatus, Router, RoutingRequest
+from pdflow.simulate.cluster import Deployment
+from pdflow.simulate.profile import Profile
+from pdflow.simulate.run import simulate
+from pdflow.simulate.workload import SimRequest, TracePrompt, from_trace, synthetic
+
+ROOT = Path(__file__).parent.parent
+EXCERPT = Path(__file__).parent / "data" / "conversation_trace_excerpt.jsonl"
+PROFILE = {"name": "test", "layers": 10, "kv_bytes_per_token": 1000,
+           "prefill": {"tokens": [100, 1000], "seconds": [0.1, 2.0]},
+           "decode": {"batch": [1, 4], "context": [100, 1100], "seconds": [[0.01, 0.02], [0.03, 0.06]]},
+           "link": {"gbit_per_s": 0.001, "latency_s": 0.001}, "max_batch": 4}
+
+
+@pytest.fixture
+def profile() -> Profile:
+    return Profile.from_dict(PROFILE)
+
+
+def request(n: int, at: float, tokens: int = 200, out: int = 5, ids: list[int] | None = None) -> SimRequest:
+    return SimRequest(n, at, tokens, out, ids if ids is not None else [1000 + 10 * n + k for k in range(tokens // 100)])
+
+
+def test_the_profile_interpolates_and_names_what_is_wrong(profile):
+    assert profile.full_prefill_s(100) == 0.1 and profile.full_prefill_s(550) == pytest.approx(0.1 + 1.9 * 0.5)
+    assert profile.full_prefill_s(50) == pytest.approx(0.05) and profile.full_prefill_s(1900) == pytest.approx(3.9)
+    assert profile.prefill_s(100, 500) == pytest.approx(profile.full_prefill_s(600) - profile.full_prefill_s(500))
+    assert profile.decode_step_s(1, 100) == 0.01 and profile.decode_step_s(4, 1100) == 0.06
+    assert profile.decode_step_s(2, 600) == pytest.approx((0.01 + 0.01 / 3 + 0.03 + 0.03 / 3) / 2)
+    with pytest.raises(ValueError, match="missing key 'layers'"):
+        Profile.from_dict({k: v for k, v in PROFILE.items() if k != "layers"})
+    with pytest.raises(ValueError, match="prefill.tokens must be positive and rising"):
+        Profile.from_dict({**PROFILE, "prefill": {"tokens": [1000, 100], "seconds": [1, 2]}})
+
+
+def test_one_request_takes_what_the_profile_says(profile):
+    r = request(0, 1.0, tokens=200, out=5)
+    outcome = simulate([r], profile, Deployment(block_tokens=100))
+    prefill = profile.prefill_s(200)
+    tail = transfer(200 * 1000, 10, 0.001, prefill, 0.001).streamed_tail_s
+    assert r.first_token_s == pytest.approx(1.0 + prefill + tail)
+    step = profile.decode_step_s(1, 201 + 4 / 2)
+    assert r.gaps == pytest.approx([step] * 4) and r.done_s == pytest.approx(r.first_token_s + 4 * step)
+    m = outcome.metrics
+    assert m["completed"] == 1 and m["ttft_ms"]["p50"] == pytest.approx((r.first_token_s - 1.0) * 1000)
+    assert m["output_tokens"] == 5 and m["tbt_ms"]["count"] == 4
+
+
+def test_prefill_is_first_come_first_served_and_decode_joins_at_a_step_boundary(profile):
+    a, b = request(0, 0.0, out=100), request(1, 0.0, out=5)
+    simulate([a, b], profile, Deployment(block_tokens=100))
+    prefill = profile.prefill_s(200)
+    tail = transfer(200 * 1000, 10, 0.001, prefill, 0.001).streamed_tail_s
+    assert a.first_token_s == pytest.approx(prefill + tail)
+    kv_in = 2 * prefill + tail  # b's prefill waited for a's
+    alone = a.gaps[0]
+    boundary = a.first_token_s + math.ceil((kv_in - a.first_token_s) / alone - 1e-9) * alone
+    assert b.first_token_s == pytest.approx(boundary)
+    joined = round((b.first_token_s - a.first_token_s) / alone)
+    assert a.gaps[:joined] == pytest.approx([alone] * joined)
+    assert a.gaps[joined] > alone  # a batch of two steps slower
+    assert all(r.done_s is not None and len(r.gaps) == r.output_len - 1 for r in (a, b))
+
+
+def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
+    first = request(0, 0.0, tokens=500, ids=[1, 2, 3, 4, 5])
+    again = request(1, 100.0, tokens=600, ids=[1, 2, 3, 4, 5, 6])
+    simulate([first, again], profile, Deployment(block_tokens=100))
+    assert again.cached_tokens == 500
+    prefill = profile.prefill_s(100, 500)
+    tail = transfer(600 * 1000, 10, 0.001, prefill, 0.001).streamed_tail_s
+    assert again.first_token_s == pytest.approx(100.0 + prefill + tail)
+    last_token = request(2, 200.0, tokens=500, ids=[1, 2, 3, 4, 5])  # never the prompt's last token
+    simulate([first, last_token], profile, Deployment(block_tokens=100))
+    assert last_token.cached_tokens == 400
+
+
+def test_a_store_that_holds_little_evicts_the_least_recently_used(profile):
+    requests = [request(0, 0.0, 300, ids=[1, 2, 3]), request(1, 10.0, 300, ids=[7, 8, 9]),
+                request(2, 20.0, 400, ids=[1, 2, 3, 4])]
+    simulate(requests, profile, Deployment(block_tokens=100, store_blocks=3))
+    assert requests[2].cached_tokens == 0  # 1-3 went when 7-9 came
+    simulate(requests, profile, Deployment(block_tokens=100, store_blocks=6))
+    assert requests[2].cached_tokens == 300
+
+
+def conversations(count: int = 7, turns: int = 5) -> list[SimRequest]:
+    """``count`` chats of ``turns`` turns, interleaved: turn t re-sends the history (2 blocks a
+    turn) and adds one block."""
+    requests = []
+    for t in range(turns):
+        for c in range(count):
+            ids = [c * 1000 + k for k in range(2 * t + 2)]
+            requests.append(SimRequest(len(requests), 10.0 * t + 0.5 * c, 100 * len(ids), 4, ids))
+    return requests
+
+
+def test_cache_aware_routing_keeps_conversations_where_their_kv_is():
+    profile = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 100}})
+    requests = conversations()
+    deploy = Deployment(prefill=2, decode=2, block_tokens=100)
+    spread = simulate(requests, profile, deploy, "round_robin").metrics["cache"]["hit_ratio"]
+    aware = simulate(requests, profile, deploy, "cache_aware", {"fetch_tokens_per_s": 0}).metrics["cache"]["hit_ratio"]
+    fetching = simulate(requests, profile, deploy, "cache_aware").metrics
+    assert aware > spread and fetching["cache"]["hit_ratio"] >= aware
+    assert fetching["completed"] == 35
+    simulate(requests, profile, deploy, "cache_aware", {"fetch_tokens_per_s": 0})
+    placed = {}  # each chat stays on one store from its second turn on (7 chats: round robin alternates)
+    for r in requests[7:]:
+        placed.setdefault(r.hash_ids[0], set()).add(r.route[1])
+    assert all(len(s) == 1 for s in placed.values()), placed
+
+
+class HighestRouter(Router):
+    """Every stage's highest-numbered replica."""
+
+    def pick(self, stage: str, request: RoutingRequest, replicas: list[ReplicaStatus]) -> int:
+        return max(r.replica for r in replicas)
+
+
+def test_any_router_decides_as_it_would_in_pdflow(profile):
+    requests = [request(n, n * 0.1) for n in range(6)]
+    simulate(requests, profile, Deployment(prefill=3, decode=2, block_tokens=100), HighestRouter)
+    assert {r.route for r in requests} == {(2, 2, 1)}
+    assert len(TracePrompt([5, 6], 150, 100)) == 150 and TracePrompt([5, 6], 150, 100)[101] == 601
+
+
+def test_the_scaler_adds_prefill_under_a_burst_and_parks_it_after(profile):
+    burst = synthetic(60, rate=20, input_len=300, output_len=3, seed=1)
+    # then one every 5 s: prefill idle for 4.5 s between them, past down_after_s
+    quiet = [SimRequest(60 + n, burst[-1].arrival_s + 30 + 5 * n, 300, 3, [5 * 10**8 + n]) for n in range(20)]
+    scaler = ScalerConfig(interval_s=0.5, window_s=3, prefill_queue_per_replica=2, decode_queue_per_replica=100,
+                          ttft_slo_ms=60000, tbt_slo_ms=60000, up_after_s=1, down_after_s=3, cooldown_s=2)
+    outcome = simulate(burst + quiet, profile, Deployment(prefill=3, decode=1, block_tokens=100, min_prefill=1),
+                       scaler=scaler)
+    running = [p for _, p, _ in outcome.replicas]
+    assert running[0] == 1 and max(running) == 3 and running[-1] == 1
+    fixed = simulate(burst + quiet, profile, Deployment(prefill=1, decode=1, block_tokens=100))
+    assert outcome.metrics["ttft_ms"]["p90"] < fixed.metrics["ttft_ms"]["p90"]
+    assert outcome.metrics["completed"] == 80
+
+
+def test_the_command_runs_a_trace_and_a_sweep(capsys, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(PROFILE))
+    out = tmp_path / "runs.json"
+    assert cli.main(["simulate", "--profile", str(path), "--trace", str(EXCERPT), "--token-scale", "0.05",
+                     "--sweep", "1:1", "2:1", "--slo-ttft", "5000", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pdflow simulate: 1P:1D" in text and "P:D" in text
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["prefill"], r["decode"]) for r in runs] == [(1, 1), (2, 1)]
+    assert runs[1]["metrics"]["ttft_ms"]["p50"] <= runs[0]["metrics"]["ttft_ms"]["p50"]
+    assert cli.main(["simulate", "--profile", str(path)]) == 2
+    assert "--trace FILE or --synthetic N" in capsys.readouterr().err
+
+
+def test_the_shipped_profiles_load():
+    for path in (ROOT / "profiles").glob("*.json"):
+        profile = Profile.load(path)
+        assert profile.source, path
+
+
+def test_a_trace_is_replayed_faster_and_smaller_keeping_its_blocks():
+    plain, scaled = from_trace(str(EXCERPT)), from_trace(str(EXCERPT), speed=2, token_scale=0.25)
+    assert len(plain) == len(scaled) == 40
+    assert [r.arrival_s / 2 for r in plain] == pytest.approx([r.arrival_s for r in scaled])
+    assert all(s.input_len == max(1, round(p.input_len / 4)) and s.hash_ids == p.hash_ids
+               for p, s in zip(plain, scaled))
+    with pytest.raises(ValueError, match="speed and token_scale must be > 0"):
+        from_trace(str(EXCERPT), speed=0)
