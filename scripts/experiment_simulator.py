@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""Does the simulator predict this machine? The same requests, for real and simulated.
+
+1. profile: ``pdflow profile`` measures this machine's stage costs (or ``--profile FILE``).
+2. For each workload, a real PD pipeline (the default topology: prefill on core 0, decode on core
+   1) serves ``pdflow bench serve``'s requests; then the simulator replays the *same* requests (the
+   arrival times, prompt and output lengths the load generator recorded, and the prompts' 64-token
+   blocks, hashed as the store hashes them) through one prefill, one store and one decode with that
+   profile. Side by side: TTFT p50/p99, TBT p50/p99 (every gap) and Mooncake's, goodput, hit ratio,
+   and simulated / measured.
+
+   mixed: random prompts of 128-1,024 tokens, 32-64 out, Poisson at each ``--rates``; no reuse.
+   trace: the Mooncake conversation trace scaled (``--token-scale``, ``--time-scale``): reuse.
+
+    .venv/bin/python scripts/experiment_simulator.py --out bench-results/simulator
+    .venv/bin/python scripts/experiment_simulator.py --parts mixed --rates 0.5,1 --num-prompts 40
+
+Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdflow.bench.experiments import Report, bench, figure
+from pdflow.kv.blocks import BlockHasher
+from pdflow.simulate.cluster import Deployment
+from pdflow.simulate.profile import Profile
+from pdflow.simulate.run import simulate
+from pdflow.simulate.workload import SimRequest
+from pdflow.testing.server import PdflowServer
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+BLOCK = 64  # the store's kv.block_tokens in the default topology
+REPORT = Report()
+say = REPORT.say
+
+
+def requests_of(run: dict) -> list[SimRequest]:
+    """The requests a bench run sent, as the simulator takes them (failed ones left out)."""
+    hasher = BlockHasher("sim", "", BLOCK)
+    requests = []
+    for record in run["records"]:
+        if record.get("error"):
+            continue
+        tokens = record.get("usage_prompt_tokens") or record["prompt_len"]
+        prompt = record.get("prompt")
+        if isinstance(prompt, list):
+            ids = hasher.ids(prompt)
+        else:  # no saved prompt: nothing shared with any other request
+            ids = [10**12 + 10**4 * record["index"] + k for k in range(-(-tokens // BLOCK))]
+        requests.append(SimRequest(len(requests), record["scheduled_s"], tokens, record["output_tokens"], ids))
+    return requests
+
+
+def compare(name: str, run: dict, profile: Profile, slo_ttft: float, slo_tbt: float) -> dict:
+    requests = requests_of(run)
+    outcome = simulate(requests, profile, Deployment(1, 1, block_tokens=BLOCK), slo_ttft_ms=slo_ttft,
+                       slo_tbt_ms=slo_tbt)
+    real, sim = run["metrics"], outcome.metrics
+    rows = [("TTFT p50 ms", real["ttft_ms"]["p50"], sim["ttft_ms"]["p50"]),
+            ("TTFT p99 ms", real["ttft_ms"]["p99"], sim["ttft_ms"]["p99"]),
+            ("TBT p50 ms", real["tbt_ms"]["p50"], sim["tbt_ms"]["p50"]),
+            ("TBT p99 ms", real["tbt_ms"]["p99"], sim["tbt_ms"]["p99"]),
+            ("Mooncake TBT p99 ms", real["tbt_mooncake_ms"]["p99"], sim["tbt_mooncake_ms"]["p99"]),
+            ("goodput req/s", real["goodput"], sim["goodput"]),
+            ("hit ratio", real["cache"]["hit_ratio"], sim["cache"]["hit_ratio"])]
+    say(f"**{name}** ({len(requests)} requests)")
+    say()
+    say("| metric | measured | simulated | simulated / measured |")
+    say("|---|---:|---:|---:|")
+    for metric, measured, simulated in rows:
+        ratio = simulated / measured if measured and simulated is not None else None
+        say(f"| {metric} | {figure(measured, '.3f' if metric.startswith(('good', 'hit')) else '.1f')} | "
+            f"{figure(simulated, '.3f' if metric.startswith(('good', 'hit')) else '.1f')} | {figure(ratio, '.2f')} |")
+    say()
+    return {"name": name, "measured": real, "simulated": sim}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("bench-results/simulator"))
+    p.add_argument("--profile", type=Path, default=None, help="use this profile instead of measuring one")
+    p.add_argument("--parts", default="mixed,trace")
+    p.add_argument("--rates", default="0.5,1,1.5")
+    p.add_argument("--num-prompts", type=int, default=60)
+    p.add_argument("--slo-ttft", type=float, default=4000.0)
+    p.add_argument("--slo-tbt", type=float, default=100.0)
+    p.add_argument("--trace-limit", type=int, default=200)
+    p.add_argument("--token-scale", type=float, default=0.05)
+    p.add_argument("--time-scale", type=float, default=2.0)
+    opts = p.parse_args()
+    opts.out.mkdir(parents=True, exist_ok=True)
+    say(f"# The simulator against this machine ({time.strftime('%Y-%m-%d %H:%M')})")
+    say(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
+    profile_path = opts.profile or opts.out / "profile.json"
+    if opts.profile is None:
+        say(f"measuring: pdflow profile --out {profile_path}")
+        subprocess.run([str(Path(sys.executable).parent / "pdflow"), "profile", "--out", str(profile_path)],
+                       check=True)
+    profile = Profile.load(profile_path)
+    say(f"profile: {profile.name} ({profile.source})")
+    say()
+    results = []
+    parts = opts.parts.split(",")
+    slos = ["--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
+    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
+        if "mixed" in parts:
+            argv = ["--dataset", "random", "--input-len-range", "128:1024", "--output-len-range", "32:64",
+                    "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", opts.rates, *slos]
+            mixed = bench(server.url, opts.out / "serve-mixed.json", argv)
+            for rate, run in zip(opts.rates.split(","), mixed["runs"]):
+                results.append(compare(f"mixed, {rate} req/s", run, profile, opts.slo_ttft, opts.slo_tbt))
+        if "trace" in parts:
+            argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--limit", str(opts.trace_limit),
+                    "--token-scale", str(opts.token_scale), "--time-scale", str(opts.time_scale), "--save-prompts",
+                    *slos]
+            trace = bench(server.url, opts.out / "serve-trace.json", argv)
+            results.append(compare(f"conversation trace, first {opts.trace_limit} requests, tokens x"
+                                   f"{opts.token_scale:g}, {opts.time_scale:g}x speed", trace["runs"][0], profile,
+                                   opts.slo_ttft, opts.slo_tbt))
+    (opts.out / "comparison.json").write_text(json.dumps(results, indent=1))
+    REPORT.write(opts.out / "summary.md")
+    say(f"written: {opts.out / 'summary.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
