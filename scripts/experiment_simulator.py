@@ -94,6 +94,8 @@ def main() -> int:
     p.add_argument("--slo-ttft", type=float, default=4000.0)
     p.add_argument("--slo-tbt", type=float, default=100.0)
     p.add_argument("--trace-limit", type=int, default=200)
+    p.add_argument("--conversations", type=int, default=0,
+                   help="trace: every request of this many conversations picked at random (0: the first requests)")
     p.add_argument("--token-scale", type=float, default=0.05)
     p.add_argument("--time-scale", type=float, default=2.0)
     opts = p.parse_args()
@@ -119,13 +121,15 @@ def main() -> int:
             for rate, run in zip(opts.rates.split(","), mixed["runs"]):
                 results.append(compare(f"mixed, {rate} req/s", run, profile, opts.slo_ttft, opts.slo_tbt))
         if "trace" in parts:
-            argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--limit", str(opts.trace_limit),
+            picked = ["--sample-conversations", str(opts.conversations), "--seed", "1"] if opts.conversations else []
+            argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--limit", str(opts.trace_limit), *picked,
                     "--token-scale", str(opts.token_scale), "--time-scale", str(opts.time_scale), "--save-prompts",
                     *slos]
             trace = bench(server.url, opts.out / "serve-trace.json", argv)
-            results.append(compare(f"conversation trace, first {opts.trace_limit} requests, tokens x"
-                                   f"{opts.token_scale:g}, {opts.time_scale:g}x speed", trace["runs"][0], profile,
-                                   opts.slo_ttft, opts.slo_tbt))
+            which = f"{opts.conversations} conversations" if opts.conversations else f"first {opts.trace_limit} requests"
+            results.append(compare(f"conversation trace, {which}, tokens x{opts.token_scale:g}, "
+                                   f"{opts.time_scale:g}x speed", trace["runs"][0], profile, opts.slo_ttft,
+                                   opts.slo_tbt))
     (opts.out / "comparison.json").write_text(json.dumps(results, indent=1))
     REPORT.write(opts.out / "summary.md")
     say(f"written: {opts.out / 'summary.md'}")

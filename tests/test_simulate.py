@@ -42,6 +42,9 @@ def test_the_profile_interpolates_and_names_what_is_wrong(profile):
     assert profile.prefill_s(100, 500) == pytest.approx(profile.full_prefill_s(600) - profile.full_prefill_s(500))
     assert profile.decode_step_s(1, 100) == 0.01 and profile.decode_step_s(4, 1100) == 0.06
     assert profile.decode_step_s(2, 600) == pytest.approx((0.01 + 0.01 / 3 + 0.03 + 0.03 / 3) / 2)
+    staged = Profile.from_dict({**PROFILE, "pipeline": {"prefill_overhead_s": 0.05, "decode_overhead_s": 0.002}})
+    assert staged.prefill_s(100) == pytest.approx(0.15) and staged.decode_step_s(1, 100) == pytest.approx(0.012)
+    assert Profile.from_dict(staged.to_dict()) == staged
     with pytest.raises(ValueError, match="missing key 'layers'"):
         Profile.from_dict({k: v for k, v in PROFILE.items() if k != "layers"})
     with pytest.raises(ValueError, match="prefill.tokens must be positive and rising"):

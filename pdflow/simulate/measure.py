@@ -9,6 +9,12 @@ prefill at each ``--prefill`` length, and a decode step at each ``--batch`` size
 each ``--context`` length (the medians of ``--steps`` steps). The link is the tcp transport
 moving 4 MiB chunks between two of its own endpoints on this machine (loopback), or
 ``--link-gbit`` as given. KV bytes per token come from the model's shape and the stages' KV dtype.
+
+``--pipeline`` also measures what the stages add to the bare engine: it starts a real PD pipeline
+(the default topology: prefill on core 0, decode on core 1), sends it one request at a time
+(``--pipeline-lengths`` prompt tokens, 64 out) with ``pdflow bench serve``, and takes the median
+TTFT beyond what the profile alone predicts for that request, and the median gap between tokens
+beyond the bare decode step, as ``pipeline.prefill_overhead_s`` and ``decode_overhead_s``.
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="decode's limits.max_batch (default: %(default)s)")
     p.add_argument("--replica-start-s", type=float, default=1.0,
                    help="a scaled replica's time to ready (default: %(default)s; docs/benchmarks.md, Scaler)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="also measure the stages' own overhead through a real pipeline (a minute more)")
+    p.add_argument("--pipeline-lengths", type=int, nargs="+", default=[128, 512, 1024],
+                   help="prompt lengths sent through it (default: 128 512 1024)")
 
 
 def tcp_gbit_per_s(chunk: int = 4 << 20, count: int = 64) -> float:
@@ -100,9 +110,48 @@ def main(args: argparse.Namespace, progress=sys.stderr) -> int:
         "link": {"gbit_per_s": round(link, 2), "latency_s": 0.0}, "fetch_gbit_per_s": round(link, 2),
         "replica_start_s": args.replica_start_s, "max_batch": args.max_batch,
     }
+    if args.pipeline:
+        del loaded
+        progress.write("the stages' overhead, through a real pipeline ...\n")
+        profile["pipeline"] = pipeline_overheads(profile, args.pipeline_lengths, progress)
     args.out.write_text(json.dumps(profile, indent=2) + "\n")
     progress.write(f"wrote {args.out}\n")
     return 0
+
+
+def pipeline_overheads(profile: dict, lengths: list[int], progress=sys.stderr, output: int = 64) -> dict:
+    """``prefill_overhead_s`` and ``decode_overhead_s``: one request at a time through a real PD
+    pipeline, against what ``profile`` (without overheads) predicts for each."""
+    import statistics
+    import tempfile
+
+    from pdflow.bench.experiments import bench
+    from pdflow.simulate.cluster import Deployment
+    from pdflow.simulate.profile import Profile
+    from pdflow.simulate.run import simulate
+    from pdflow.simulate.workload import SimRequest
+    from pdflow.testing.server import PdflowServer
+
+    bare = Profile.from_dict({**profile, "pipeline": {}})
+    ttft_extra, gap_extra = [], []
+    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
+        for n in lengths:
+            result = bench(server.url, Path(tmp) / f"pipeline-{n}.json",
+                           ["--dataset", "fixed", "--input-len", str(n), "--output-len", str(output),
+                            "--num-prompts", "4", "--max-concurrency", "1", "--seed", str(n)])
+            for record in result["runs"][0]["records"]:
+                if record.get("error") or record["ttft_s"] is None:
+                    continue
+                tokens = record.get("usage_prompt_tokens") or n
+                alone = SimRequest(0, 0.0, tokens, record["output_tokens"], [10**12 + k for k in range(tokens)])
+                simulate([alone], bare, Deployment(1, 1, block_tokens=1))
+                ttft_extra.append(record["ttft_s"] - alone.first_token_s)
+                gap_extra += [gap - step for gap, step in zip(record["gaps_s"], alone.gaps)]
+            progress.write(f"  {n} tokens: TTFT beyond the engine {statistics.median(ttft_extra) * 1e3:.0f} ms, "
+                           f"a step beyond it {statistics.median(gap_extra) * 1e3:.2f} ms\n")
+    return {"prefill_overhead_s": max(0.0, statistics.median(ttft_extra)),
+            "decode_overhead_s": max(0.0, statistics.median(gap_extra)),
+            "measured": f"{len(ttft_extra)} requests of {', '.join(map(str, lengths))} tokens, one at a time"}
 
 
 def _times(pdflow_times, loaded, args, context: int, prefill: dict[int, float]) -> dict:

@@ -21,6 +21,10 @@ A profile is JSON::
 - ``link``: the prefill -> store -> decode path's speed (decimal Gbit/s) and latency; KV streams
   layer by layer (:func:`pdflow.plan.transfer.transfer`). ``fetch_gbit_per_s``: between two
   stores. ``replica_start_s``: a replica the scaler starts takes this long to be ready.
+- ``pipeline``: what the stages add to the bare engine, measured through a real pipeline
+  (``pdflow profile --pipeline``): ``prefill_overhead_s`` more per prefill (tokenizing, routing,
+  the store's lease, the messages) and ``decode_overhead_s`` more per decode step (sampling,
+  stop rules, the token messages to ingress and the client). 0 where not measured.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class Profile:
     replica_start_s: float = 1.0
     max_batch: int = 32
     source: str = ""
+    prefill_overhead_s: float = 0.0
+    decode_overhead_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -73,13 +79,15 @@ class Profile:
         return first if tokens < self.prefill_tokens[0] else _interp(self.prefill_tokens, self.prefill_seconds, tokens)
 
     def prefill_s(self, new_tokens: float, cached_tokens: float = 0) -> float:
-        """``new_tokens`` computed after ``cached_tokens`` read from a store."""
-        return max(0.0, self.full_prefill_s(cached_tokens + new_tokens) - self.full_prefill_s(cached_tokens))
+        """``new_tokens`` computed after ``cached_tokens`` read from a store (and the stage's own
+        overhead)."""
+        compute = self.full_prefill_s(cached_tokens + new_tokens) - self.full_prefill_s(cached_tokens)
+        return max(0.0, compute) + self.prefill_overhead_s
 
     def decode_step_s(self, batch: int, context: float) -> float:
         """One step of ``batch`` sequences of mean ``context`` tokens."""
         rows = [_interp(self.decode_batch, row, batch) for row in self.decode_seconds]
-        return max(1e-6, _interp(self.decode_context, rows, context))
+        return max(1e-6, _interp(self.decode_context, rows, context)) + self.decode_overhead_s
 
     # --- files ------------------------------------------------------------------------------
 
@@ -110,7 +118,10 @@ class Profile:
                 link_gbit_per_s=float(link.get("gbit_per_s", 25.0)), link_latency_s=float(link.get("latency_s", 0.0)),
                 fetch_gbit_per_s=float(raw.get("fetch_gbit_per_s", link.get("gbit_per_s", 25.0))),
                 replica_start_s=float(raw.get("replica_start_s", 1.0)), max_batch=int(raw.get("max_batch", 32)),
-                source=str(raw.get("source", "")), extra=dict(raw.get("extra", {})))
+                source=str(raw.get("source", "")),
+                prefill_overhead_s=float(raw.get("pipeline", {}).get("prefill_overhead_s", 0.0)),
+                decode_overhead_s=float(raw.get("pipeline", {}).get("decode_overhead_s", 0.0)),
+                extra=dict(raw.get("extra", {})))
         except KeyError as exc:
             raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError) as exc:
@@ -123,7 +134,8 @@ class Profile:
                 "decode": {"batch": self.decode_batch, "context": self.decode_context, "seconds": self.decode_seconds},
                 "link": {"gbit_per_s": self.link_gbit_per_s, "latency_s": self.link_latency_s},
                 "fetch_gbit_per_s": self.fetch_gbit_per_s, "replica_start_s": self.replica_start_s,
-                "max_batch": self.max_batch, "extra": self.extra}
+                "max_batch": self.max_batch, "extra": self.extra,
+                "pipeline": {"prefill_overhead_s": self.prefill_overhead_s, "decode_overhead_s": self.decode_overhead_s}}
 
     def _check(self) -> None:
         def rising(name: str, xs: list) -> None:
