@@ -11,6 +11,8 @@
 
    mixed: random prompts of 128-1,024 tokens, 32-64 out, Poisson at each ``--rates``; no reuse.
    trace: the Mooncake conversation trace scaled (``--token-scale``, ``--time-scale``): reuse.
+   colocated: the mixed load through the colocated worker (both cores, ``--colocated-profile``,
+   measured with ``pdflow profile --threads 2``), real and simulated.
 
     .venv/bin/python scripts/experiment_simulator.py --out bench-results/simulator
     .venv/bin/python scripts/experiment_simulator.py --parts mixed --rates 0.5,1 --num-prompts 40
@@ -60,10 +62,10 @@ def requests_of(run: dict) -> list[SimRequest]:
     return requests
 
 
-def compare(name: str, run: dict, profile: Profile, slo_ttft: float, slo_tbt: float) -> dict:
+def compare(name: str, run: dict, profile: Profile, slo_ttft: float, slo_tbt: float,
+            deployment: Deployment = Deployment(1, 1, block_tokens=BLOCK)) -> dict:
     requests = requests_of(run)
-    outcome = simulate(requests, profile, Deployment(1, 1, block_tokens=BLOCK), slo_ttft_ms=slo_ttft,
-                       slo_tbt_ms=slo_tbt)
+    outcome = simulate(requests, profile, deployment, slo_ttft_ms=slo_ttft, slo_tbt_ms=slo_tbt)
     real, sim = run["metrics"], outcome.metrics
     rows = [("TTFT p50 ms", real["ttft_ms"]["p50"], sim["ttft_ms"]["p50"]),
             ("TTFT p99 ms", real["ttft_ms"]["p99"], sim["ttft_ms"]["p99"]),
@@ -88,7 +90,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("bench-results/simulator"))
     p.add_argument("--profile", type=Path, default=None, help="use this profile instead of measuring one")
-    p.add_argument("--parts", default="mixed,trace")
+    p.add_argument("--parts", default="mixed,trace,colocated")
+    p.add_argument("--colocated-profile", type=Path, default=None,
+                   help="the colocated worker's profile (default: measure one with --threads 2)")
     p.add_argument("--rates", default="0.5,1,1.5")
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--slo-ttft", type=float, default=4000.0)
@@ -113,23 +117,42 @@ def main() -> int:
     results = []
     parts = opts.parts.split(",")
     slos = ["--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
-    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
-        if "mixed" in parts:
-            argv = ["--dataset", "random", "--input-len-range", "128:1024", "--output-len-range", "32:64",
-                    "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", opts.rates, *slos]
-            mixed = bench(server.url, opts.out / "serve-mixed.json", argv)
-            for rate, run in zip(opts.rates.split(","), mixed["runs"]):
-                results.append(compare(f"mixed, {rate} req/s", run, profile, opts.slo_ttft, opts.slo_tbt))
-        if "trace" in parts:
-            picked = ["--sample-conversations", str(opts.conversations), "--seed", "1"] if opts.conversations else []
-            argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--limit", str(opts.trace_limit), *picked,
-                    "--token-scale", str(opts.token_scale), "--time-scale", str(opts.time_scale), "--save-prompts",
-                    *slos]
-            trace = bench(server.url, opts.out / "serve-trace.json", argv)
-            which = f"{opts.conversations} conversations" if opts.conversations else f"first {opts.trace_limit} requests"
-            results.append(compare(f"conversation trace, {which}, tokens x{opts.token_scale:g}, "
-                                   f"{opts.time_scale:g}x speed", trace["runs"][0], profile, opts.slo_ttft,
-                                   opts.slo_tbt))
+    if "mixed" in parts or "trace" in parts:
+        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
+            if "mixed" in parts:
+                argv = ["--dataset", "random", "--input-len-range", "128:1024", "--output-len-range", "32:64",
+                        "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", opts.rates, *slos]
+                mixed = bench(server.url, opts.out / "serve-mixed.json", argv)
+                for rate, run in zip(opts.rates.split(","), mixed["runs"]):
+                    results.append(compare(f"mixed, {rate} req/s", run, profile, opts.slo_ttft, opts.slo_tbt))
+            if "trace" in parts:
+                picked = (["--sample-conversations", str(opts.conversations), "--seed", "1"]
+                          if opts.conversations else [])
+                argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--limit", str(opts.trace_limit), *picked,
+                        "--token-scale", str(opts.token_scale), "--time-scale", str(opts.time_scale), "--save-prompts",
+                        *slos]
+                trace = bench(server.url, opts.out / "serve-trace.json", argv)
+                which = (f"{opts.conversations} conversations" if opts.conversations
+                         else f"first {opts.trace_limit} requests")
+                results.append(compare(f"conversation trace, {which}, tokens x{opts.token_scale:g}, "
+                                       f"{opts.time_scale:g}x speed", trace["runs"][0], profile, opts.slo_ttft,
+                                       opts.slo_tbt))
+    if "colocated" in parts:
+        colocated_path = opts.colocated_profile or opts.out / "profile-2-threads.json"
+        if opts.colocated_profile is None:
+            say(f"measuring: pdflow profile --threads 2 --out {colocated_path}")
+            subprocess.run([str(Path(sys.executable).parent / "pdflow"), "profile", "--threads", "2", "--out",
+                            str(colocated_path)], check=True)
+        colocated = Profile.load(colocated_path)
+        say(f"colocated profile: {colocated.name} ({colocated.source})")
+        say()
+        argv = ["--dataset", "random", "--input-len-range", "128:1024", "--output-len-range", "32:64",
+                "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", opts.rates, *slos]
+        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), mode="colocated") as server:
+            runs = bench(server.url, opts.out / "serve-colocated.json", argv)
+        for rate, run in zip(opts.rates.split(","), runs["runs"]):
+            results.append(compare(f"colocated worker, mixed, {rate} req/s", run, colocated, opts.slo_ttft,
+                                   opts.slo_tbt, Deployment(mode="colocated", block_tokens=BLOCK)))
     (opts.out / "comparison.json").write_text(json.dumps(results, indent=1))
     REPORT.write(opts.out / "summary.md")
     say(f"written: {opts.out / 'summary.md'}")

@@ -4,8 +4,8 @@ address, joined to the others by veth pairs and a bridge, its link shaped by tc)
 
 One pipeline: ingress on `head` (which supervises), prefill, kv-shuttle and two decode replicas
 on four more hosts, and a second prefill replica on a sixth that the scaler (deciding on `head`)
-starts there under a burst and parks when quiet. It answers what the engine answers in-process; a decode process killed on its
-host is restarted by that host's launcher; a whole host going away is a dead replica to the
+starts there under a burst and parks when quiet. It answers what the engine answers in-process;
+a decode process killed on its host is restarted by that host's launcher; a whole host going away is a dead replica to the
 others (its requests go to the other decode) until it comes back. KV goes into kv-shuttle over tcp
 and into decode over ucx (tcp where ucxx is not installed), so that both meet peers that die or
 vanish. Skipped with the reason where namespaces cannot be made (not root, no iproute2).

@@ -45,7 +45,8 @@ def test_mla_is_sized_from_its_latent_and_the_codecs_say_they_do_not_cover_it(tm
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 61, "num_attention_heads": 128,
                                                       "kv_lora_rank": 512, "qk_rope_head_dim": 64}))
     shape = shapes.from_config(tmp_path)
-    assert shape.attention == "mla" and shape.elements_per_token == 61 * 576 == shapes.KNOWN["deepseek-v3"].elements_per_token
+    assert shape.attention == "mla"
+    assert shape.elements_per_token == 61 * 576 == shapes.KNOWN["deepseek-v3"].elements_per_token
     assert kv_bytes.size_of(shape, "bf16").bytes_per_token == 61 * 576 * 2
     int8 = kv_bytes.size_of(shape, "int8")
     assert int8.bytes_per_token is None and "MLA" in int8.note

@@ -187,3 +187,48 @@ def test_a_trace_is_replayed_faster_and_smaller_keeping_its_blocks():
                for p, s in zip(plain, scaled))
     with pytest.raises(ValueError, match="speed and token_scale must be > 0"):
         from_trace(str(EXCERPT), speed=0)
+
+
+# --- colocated workers ----------------------------------------------------------------------
+
+def test_a_colocated_worker_alone_prefills_then_decodes(profile):
+    r = request(0, 1.0, tokens=200, out=5)
+    simulate([r], profile, Deployment(mode="colocated", block_tokens=100))
+    assert r.first_token_s == pytest.approx(1.0 + profile.prefill_s(200))  # no link: the KV is already there
+    step = profile.decode_step_s(1, 201 + 4 / 2)
+    assert r.gaps == pytest.approx([step] * 4)
+
+
+@pytest.mark.parametrize("chunk", [0, 100])
+def test_a_prompt_arriving_stalls_the_running_batch_for_its_prefill_or_one_chunk(profile, chunk):
+    a = request(0, 0.0, tokens=100, out=200)
+    b = request(1, 1.0, tokens=900, out=3, ids=list(range(50, 59)))
+    simulate([a, b], profile, Deployment(mode="colocated", block_tokens=100, chunked_prefill_tokens=chunk))
+    stall = max(a.gaps)
+    whole = profile.prefill_s(900)
+    if chunk == 0:  # one gap holds b's whole prefill and a step
+        assert stall == pytest.approx(whole + profile.decode_step_s(2, a.gaps.index(stall) + 101), rel=0.05)
+    else:  # no gap holds more than one 100-token chunk and a step
+        assert stall < whole / 3
+        assert b.first_token_s - 1.0 > whole  # b took longer: its chunks shared the loop with a's steps
+    assert a.done_s is not None and len(a.gaps) == 199 and len(b.gaps) == 2
+
+
+def test_a_colocated_worker_reuses_its_own_store(profile):
+    first, again = request(0, 0.0, 500, ids=[1, 2, 3, 4, 5]), request(1, 50.0, 600, ids=[1, 2, 3, 4, 5, 6])
+    simulate([first, again], profile, Deployment(mode="colocated", workers=2, block_tokens=100), "cache_aware")
+    assert again.cached_tokens == 500 and again.route == first.route
+    assert again.first_token_s - 50.0 == pytest.approx(profile.prefill_s(100, 500))
+    with pytest.raises(ValueError, match="not with mode = 'colocated'"):
+        Deployment(mode="colocated", min_prefill=1)
+
+
+def test_the_command_simulates_the_colocated_baseline(capsys, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(PROFILE))
+    assert cli.main(["simulate", "--profile", str(path), "--synthetic", "20", "--rate", "0.5", "--input", "300",
+                     "--output", "8", "--mode", "colocated", "--workers", "2", "--chunked-prefill-tokens", "128"]) == 0
+    assert "2 workers (colocated)" in capsys.readouterr().out
+    assert cli.main(["simulate", "--profile", str(path), "--synthetic", "2", "--mode", "colocated",
+                     "--sweep", "1:1"]) == 2
+    assert "--sweep is for P:D splits" in capsys.readouterr().err

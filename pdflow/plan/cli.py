@@ -139,10 +139,12 @@ def _kv(args) -> tuple[dict, str]:
     report = {"model": shape.name, "shape": _shape_dict(shape), "rows": [
         {"kv": r.label, "bytes_per_token": r.bytes_per_token, "note": r.note,
          "bytes": {str(t): r.bytes_for(t) for t in args.tokens}} for r in rows]}
-    lines = [_shape_line(shape).rstrip(), f"{'KV':<16} {'per token':>11}" + "".join(f" {f'{t:,} tokens':>16}" for t in args.tokens)]
+    lines = [_shape_line(shape).rstrip(),
+             f"{'KV':<16} {'per token':>11}" + "".join(f" {f'{t:,} tokens':>16}" for t in args.tokens)]
     for r in rows:
         lines.append(f"{r.label:<16} {size(r.bytes_per_token):>11}"
-                     + "".join(f" {size(r.bytes_for(t)):>16}" for t in args.tokens) + (f"  ({r.note})" if r.note else ""))
+                     + "".join(f" {size(r.bytes_for(t)):>16}" for t in args.tokens)
+                     + (f"  ({r.note})" if r.note else ""))
     return report, "\n".join(lines) + "\n"
 
 

@@ -5,6 +5,7 @@ routers and scaler, reported as ``pdflow bench serve`` reports a real run.
         --prefill 8 --decode 8 --router cache_aware --slo-ttft 2000 --slo-tbt 100
     pdflow simulate --profile my-machine.json --synthetic 500 --rate 2 --input 1024 --output 64 --prefill 1 --decode 1
     pdflow simulate ... --sweep 2:6 4:4 6:2        (P:D splits of the same replicas, side by side)
+    pdflow simulate ... --mode colocated --workers 8 [--chunked-prefill-tokens 512]   (the baseline)
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dep.add_argument("--block-tokens", type=int, default=None,
                      help="tokens per block (default: the trace's 512 x --token-scale; 64 synthetic)")
     dep.add_argument("--kv-streaming", choices=("layer", "request"), default="layer")
+    dep.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
+                     help="colocated: --workers replicas of pdflow's worker stage (prefill and decode in one) instead")
+    dep.add_argument("--workers", type=int, default=1, help="colocated: worker replicas (default 1)")
+    dep.add_argument("--chunked-prefill-tokens", type=int, default=0,
+                     help="colocated: prompt tokens of prefill per iteration at most (default 0: whole prompts)")
     dep.add_argument("--router", default="round_robin", help="a pdflow router policy or module:Class "
                      "(default: round_robin)")
     dep.add_argument("--router-option", action="append", default=[], metavar="KEY=VALUE",
@@ -70,6 +76,10 @@ def _options(pairs: list[str], what: str) -> dict:
 
 
 def _splits(args) -> list[tuple[int, int]]:
+    if args.mode == "colocated":
+        if args.sweep:
+            raise ValueError("--sweep is for P:D splits; with --mode colocated give --workers")
+        return [(args.workers, 0)]
     if not args.sweep:
         return [(args.prefill, args.decode)]
     splits = []
@@ -111,8 +121,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     runs = []
     for p, d in splits:
-        deployment = Deployment(p, d, args.stores, args.store_blocks, block, args.kv_streaming,
-                                args.min_prefill, args.min_decode)
+        try:
+            deployment = Deployment(p, max(d, 1), args.stores, args.store_blocks, block, args.kv_streaming,
+                                    args.min_prefill, args.min_decode, args.mode, args.workers,
+                                    args.chunked_prefill_tokens)
+        except ValueError as exc:
+            sys.stderr.write(f"error: {exc}\n")
+            return 2
         started = time.perf_counter()
         try:
             outcome = simulate(requests, profile, deployment, args.router, router_options, scaler,
@@ -121,10 +136,12 @@ def main(args: argparse.Namespace) -> int:
             sys.stderr.write(f"error: {exc}\n")
             return 2
         took = time.perf_counter() - started
-        label = f"{p}P:{d}D, {args.router}, {profile.name}"
+        shape = f"{p} workers (colocated)" if args.mode == "colocated" else f"{p}P:{d}D"
+        label = f"{shape}, {args.router}, {profile.name}"
         sys.stdout.write(table(label, outcome.metrics, "pdflow simulate"))
         sys.stdout.write(f"simulated {len(requests):,} requests on {p + d} replicas in {took:.1f} s\n")
-        runs.append({"prefill": p, "decode": d, "router": args.router, "seconds": took, "metrics": outcome.metrics,
+        runs.append({"label": shape, "prefill": p, "decode": d, "router": args.router, "seconds": took,
+                     "metrics": outcome.metrics,
                      "replicas": outcome.replicas, "records": outcome.records})
     if len(runs) > 1:
         sys.stdout.write(_sweep_table(runs))
@@ -155,7 +172,7 @@ def _plots(runs: list[dict], folder: Path) -> None:
         sys.stderr.write("warning: no plots: matplotlib is not installed\n")
         return
     folder.mkdir(parents=True, exist_ok=True)
-    cdf_runs = [{"label": f"{r['prefill']}P:{r['decode']}D",
+    cdf_runs = [{"label": r["label"],
                  "records": [{"ttft_s": x.ttft_s, "gaps_s": x.gaps_s, "e2e_s": x.e2e_s, "error": x.error}
                              for x in r["records"]]} for r in runs]
     path = plots.plot_cdfs(cdf_runs, folder / "simulated-cdfs.png")

@@ -22,6 +22,12 @@ What is modelled, and how:
   boundary once its KV is in and emits its first token then (prefill computed it); every step
   emits one token per sequence and costs :meth:`Profile.decode_step_s` at the batch's size and
   mean context. Between joins and ends the steps are advanced in one event.
+- **Colocated** (``mode = "colocated"``: pdflow's worker stage, the baseline): each worker
+  replica keeps its own store and loops as the worker does: prefill work first (every waiting
+  prompt whole, or at most ``chunked_prefill_tokens`` tokens of them), each prompt emitting its first
+  token when its prefill ends and joining the batch, then one decode step for the batch. A
+  running sequence's gap between tokens includes the prefill work done between its steps. Routed
+  as stage ``worker``, whose stores a router that asks is told about.
 - **The scaler**: pdflow's :class:`~pdflow.runtime.scaler.Scaler` decides every ``interval_s``
   from the same :class:`~pdflow.runtime.scaler.Load` the launcher builds (running replicas,
   prefill's queue, decode's batch, TTFT and TBT p90 over ``window_s``); a started replica is ready
@@ -60,6 +66,20 @@ class Deployment:
     # are then the most)
     min_prefill: int | None = None
     min_decode: int | None = None
+    mode: str = "disaggregated"  # or "colocated": ``workers`` worker replicas instead of P and D
+    workers: int = 1
+    chunked_prefill_tokens: int = 0  # colocated: at most this many prompt tokens per iteration (0: whole)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {self.mode!r}")
+        counts = (("workers", self.workers),) if self.mode == "colocated" else \
+            (("prefill", self.prefill), ("decode", self.decode))
+        for name, value in (*counts, ("block_tokens", self.block_tokens)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.mode == "colocated" and (self.min_prefill is not None or self.min_decode is not None):
+            raise ValueError("the scaler starts and stops prefill and decode replicas: not with mode = 'colocated'")
 
 
 class _Store:
@@ -115,10 +135,26 @@ class _Prefill(_Replica):
 
 
 class _Seq:
-    __slots__ = ("request", "left", "context")
+    __slots__ = ("request", "left", "context", "last_s")
 
-    def __init__(self, request: SimRequest, left: int, context: int) -> None:
-        self.request, self.left, self.context = request, left, context
+    def __init__(self, request: SimRequest, left: int, context: int, last_s: float = 0.0) -> None:
+        self.request, self.left, self.context, self.last_s = request, left, context, last_s
+
+
+class _Worker(_Replica):
+    """A colocated worker: its queue, the prompt it is part way through, its batch and its store."""
+
+    def __init__(self, number: int, capacity: int | None) -> None:
+        super().__init__(number)
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilled = 0  # tokens of the head prompt computed (chunked prefill)
+        self.running: list[_Seq] = []
+        self.store = _Store(capacity)
+        self.busy = False
+        self.run_start = 0.0
+        self.step_s = 0.0
+        self.steps = 0  # planned decode-only steps of this run (0: an iteration, or idle)
+        self.version = 0
 
 
 class _Decode(_Replica):
@@ -136,9 +172,14 @@ class Cluster:
     def __init__(self, profile: Profile, deployment: Deployment, router: Router, scaler=None) -> None:
         self.profile, self.deploy, self.router, self.scaler = profile, deployment, router, scaler
         d = deployment
-        self.prefills = [_Prefill(i, d.min_prefill is not None and i >= d.min_prefill) for i in range(d.prefill)]
-        self.decodes = [_Decode(i, d.min_decode is not None and i >= d.min_decode) for i in range(d.decode)]
-        self.stores = [_Store(d.store_blocks) for _ in range(d.stores or d.prefill)]
+        colocated = d.mode == "colocated"
+        self.prefills = [] if colocated else [_Prefill(i, d.min_prefill is not None and i >= d.min_prefill)
+                                              for i in range(d.prefill)]
+        self.decodes = [] if colocated else [_Decode(i, d.min_decode is not None and i >= d.min_decode)
+                                             for i in range(d.decode)]
+        self.workers = [_Worker(i, d.store_blocks) for i in range(d.workers)] if colocated else []
+        self.stores = [w.store for w in self.workers] if colocated else [_Store(d.store_blocks)
+                                                                         for _ in range(d.stores or d.prefill)]
         self.store_load = [0] * len(self.stores)
         self.events: list = []
         self._order = itertools.count()
@@ -171,19 +212,26 @@ class Cluster:
         return [ReplicaStatus(r.number, in_flight=r.assigned, assigned=r.assigned)
                 for r in replicas if r.routable(self.now)]
 
+    def _holdings(self, request: SimRequest, loads: list[int]) -> list[ReplicaStatus]:
+        """The stores' statuses: their prefix of the prompt, for a router that asks."""
+        block = self.deploy.block_tokens
+        if not self.router.uses_holdings:
+            return [ReplicaStatus(i, in_flight=n, assigned=n) for i, n in enumerate(loads)]
+        ids, most = request.hash_ids, request.input_len
+        return [ReplicaStatus(i, in_flight=n, assigned=n,
+                              cached_tokens=min(self.stores[i].prefix(ids, True) * block, most),
+                              stored_tokens=min(self.stores[i].prefix(ids, False) * block, most))
+                for i, n in enumerate(loads)]
+
     def _arrive(self, request: SimRequest) -> None:
         block = self.deploy.block_tokens
         prompt = RoutingRequest(str(request.index), TracePrompt(request.hash_ids, request.input_len, block))
+        if self.workers:
+            self._arrive_colocated(request, prompt)
+            return
         p = self.router.route("prefill", prompt, self._statuses(self.prefills))
         d = self.router.route("decode", prompt, self._statuses(self.decodes))
-        stores = [ReplicaStatus(i, in_flight=n, assigned=n) for i, n in enumerate(self.store_load)]
-        if self.router.uses_holdings:
-            stores = [ReplicaStatus(i, in_flight=n, assigned=n,
-                                    cached_tokens=min(self.stores[i].prefix(request.hash_ids, True) * block,
-                                                      request.input_len),
-                                    stored_tokens=min(self.stores[i].prefix(request.hash_ids, False) * block,
-                                                      request.input_len))
-                      for i, n in enumerate(self.store_load)]
+        stores = self._holdings(request, self.store_load)
         s = self.router.route("kv_shuttle", prompt, stores)
         holder = self.router.fetch_from("kv_shuttle", prompt, s, stores)
         request.route = (p, s, d)
@@ -295,6 +343,109 @@ class Cluster:
     def _finish(self, replica: _Decode, request: SimRequest) -> None:
         request.done_s = self.now
         replica.assigned -= 1
+        self.finished.append(request)
+
+    # --- colocated workers ------------------------------------------------------------------
+
+    def _arrive_colocated(self, request: SimRequest, prompt: RoutingRequest) -> None:
+        statuses = [s for s in self._holdings(request, [w.assigned for w in self.workers])]
+        w = self.workers[self.router.route("worker", prompt, statuses)]
+        request.route = (w.number, w.number, w.number)
+        reusable = (request.input_len - 1) // self.deploy.block_tokens
+        own = min(w.store.prefix(request.hash_ids, False), reusable)
+        w.store.touch(request.hash_ids[:own])
+        request.cached_tokens = own * self.deploy.block_tokens
+        w.store.expect(request.hash_ids, 1)
+        w.assigned += 1
+        w.waiting.append(request)
+        if not w.busy:
+            self._iterate(w, w.version)
+        elif w.steps:  # a decode-only run: cut at the next step boundary, where the prefill starts
+            done = math.floor((self.now - w.run_start) / w.step_s + 1e-9)
+            if done < w.steps:
+                w.version += 1
+                boundary = w.run_start + (done + 1) * w.step_s
+                self._worker_steps(w, done + 1, w.step_s)
+                w.steps = 0
+                self._at(boundary, self._iterate, w, w.version)
+
+    def _worker_steps(self, w: _Worker, steps: int, step_s: float) -> None:
+        """``steps`` decode steps of ``w``'s batch from ``w.run_start``: tokens and their gaps
+        (the first also waits for whatever came between it and the sequence's last token)."""
+        if steps <= 0:
+            return
+        for seq in w.running:
+            first = w.run_start + step_s - seq.last_s
+            seq.request.gaps.append(first)
+            seq.request.gaps.extend([step_s] * (steps - 1))
+            seq.left -= steps
+            seq.context += steps
+            seq.last_s = w.run_start + steps * step_s
+        self.recent_tbt.append((w.run_start + steps * step_s, step_s))
+        w.run_start += steps * step_s
+        w.steps = max(0, w.steps - steps)
+
+    def _iterate(self, w: _Worker, version: int) -> None:
+        """One pass of the worker's loop at ``now``: end what finished, prefill work, one decode
+        step (or, with nothing to prefill, a run of steps up to the next sequence's end)."""
+        if version != w.version:
+            return
+        w.version += 1
+        if w.steps:  # the end of a decode-only run
+            self._worker_steps(w, w.steps, w.step_s)
+        still = []
+        for seq in w.running:
+            if seq.left <= 0:
+                self._finish_worker(w, seq.request)
+            else:
+                still.append(seq)
+        w.running = still
+        t = self.now
+        budget = self.deploy.chunked_prefill_tokens or None
+        while w.waiting and (budget is None or budget > 0) and len(w.running) < self.profile.max_batch:
+            request = w.waiting[0]
+            cached, new = request.cached_tokens, request.input_len - request.cached_tokens
+            k = new - w.prefilled if budget is None else min(budget, new - w.prefilled)
+            t += self.profile.prefill_s(k, cached + w.prefilled) - (0 if w.prefilled == 0 else
+                                                                     self.profile.prefill_overhead_s)
+            w.prefilled += k
+            if budget is not None:
+                budget -= k
+            if w.prefilled < new:
+                break
+            w.waiting.popleft()
+            w.prefilled = 0
+            w.store.expect(request.hash_ids, -1)
+            w.store.touch(request.hash_ids)
+            request.first_token_s = t
+            self.recent_ttft.append((t, t - request.arrival_s))
+            if request.output_len <= 1:
+                request.done_s = t
+                self._finish_worker(w, request, t)
+            else:
+                w.running.append(_Seq(request, request.output_len - 1, request.input_len + 1, t))
+        if w.running:
+            mean_context = sum(seq.context for seq in w.running) / len(w.running)
+            step_s = self.profile.decode_step_s(len(w.running), mean_context)
+            w.run_start, w.step_s = t, step_s
+            if w.waiting:  # one step, then prefill work again
+                self._worker_steps(w, 1, step_s)
+                w.busy = True
+                self._at(w.run_start, self._iterate, w, w.version)
+            else:  # nothing to prefill: steps up to the next end, cut if a prompt arrives
+                steps = min(seq.left for seq in w.running)
+                w.step_s = self.profile.decode_step_s(len(w.running), mean_context + steps / 2)
+                w.steps, w.busy = steps, True
+                self._at(t + steps * w.step_s, self._iterate, w, w.version)
+        elif w.waiting or t > self.now:  # prefill work took time: go on once it is done
+            w.busy = True
+            self._at(t, self._iterate, w, w.version)
+        else:
+            w.busy = False
+
+    def _finish_worker(self, w: _Worker, request: SimRequest, at: float | None = None) -> None:
+        request.done_s = self.now if at is None else at
+        w.assigned -= 1
         self.finished.append(request)
 
     # --- the scaler -------------------------------------------------------------------------

@@ -32,12 +32,14 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="the profile to write (JSON)")
-    p.add_argument("--model", default="smollm2", help="a known model or a Hugging Face directory (default: %(default)s)")
+    p.add_argument("--model", default="smollm2",
+                   help="a known model or a Hugging Face directory (default: %(default)s)")
     p.add_argument("--weights", default="int4-a16", help="weight format (default: %(default)s, the topology's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--prefill", type=int, nargs="+", default=[64, 256, 1024, 2048],
                    help="prefill lengths (default: 64 256 1024 2048)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32], help="decode batch sizes (default: 1 4 16 32)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32],
+                   help="decode batch sizes (default: 1 4 16 32)")
     p.add_argument("--context", type=int, nargs="+", default=[128, 1024], help="decode contexts (default: 128 1024)")
     p.add_argument("--steps", type=int, default=10, help="timed decode steps per point (default: %(default)s)")
     p.add_argument("--link-gbit", type=float, default=None, help="the link's speed instead of measuring tcp")

@@ -135,7 +135,8 @@ class Profile:
                 "link": {"gbit_per_s": self.link_gbit_per_s, "latency_s": self.link_latency_s},
                 "fetch_gbit_per_s": self.fetch_gbit_per_s, "replica_start_s": self.replica_start_s,
                 "max_batch": self.max_batch, "extra": self.extra,
-                "pipeline": {"prefill_overhead_s": self.prefill_overhead_s, "decode_overhead_s": self.decode_overhead_s}}
+                "pipeline": {"prefill_overhead_s": self.prefill_overhead_s,
+                             "decode_overhead_s": self.decode_overhead_s}}
 
     def _check(self) -> None:
         def rising(name: str, xs: list) -> None:

@@ -36,8 +36,9 @@ def hosts_topology(net: Namespaces, secret_file: Path, placement: dict[str, Sequ
     """A PD topology over hosts of ``net`` (each at its namespace's address, binding every
     address; ingress on ``head``, which supervises): ``placement`` maps each stage to the hosts of
     its replicas, one each; the planes authenticated with ``secret_file``; KV over ``transports``
-    (into kv-shuttle, which its links out of decode and into prefill then use; into decode). ``min_replicas``: per stage, for
-    the scaler (its ``[scaler]`` table in ``extra``, TOML appended as it is)."""
+    (into kv-shuttle, which its links out of decode and into prefill then use; into decode).
+    ``min_replicas``: per stage, for the scaler (its ``[scaler]`` table in ``extra``, TOML
+    appended as it is)."""
     hosts = dict.fromkeys(host for on in placement.values() for host in on)
     tables = [f'[hosts.{name}]\naddress = "{net.address(name)}"\nbind = "0.0.0.0"\n' for name in hosts]
     for stage, on in placement.items():

@@ -8,13 +8,13 @@ worker address with UCX error handling off: that is what lets UCX use shared mem
 (the ucxx listener path, and error handling, restrict it to TCP). Only for a receiver in the
 sender's own network namespace (its address is one of the sender's): across namespaces on one
 machine UCX would still pick shared memory, but its wake-ups (abstract unix sockets) do not
-cross, and a sleeping receiver never sees the chunks; any other peer gets error handling on. The worker addresses are thus
-exchanged per link over this connection, not through the control plane: the receiver keeps one
-stable address across restarts (a worker address is new with every worker), and the connection
-stays open, silent, for the life of the link as each side's liveness check. The kernel closes
-it the moment either process dies (TCP keepalive notices a vanished host in about
-``timeout_s``), which UCX without error handling never reports: a write to a dead or killed
-receiver would otherwise wait forever.
+cross, and a sleeping receiver never sees the chunks; any other peer gets error handling on.
+The worker addresses are thus exchanged per link over this connection, not through the control
+plane: the receiver keeps one stable address across restarts (a worker address is new with
+every worker), and the connection stays open, silent, for the life of the link as each side's
+liveness check. The kernel closes it the moment either process dies (TCP keepalive notices a
+vanished host in about ``timeout_s``), which UCX without error handling never reports: a write
+to a dead or killed receiver would otherwise wait forever.
 
 Chunks. Each is tagged messages on the link's endpoint, posted in call order (UCX keeps one
 endpoint's messages in order): the header frame (``FRAME`` + msgpack
