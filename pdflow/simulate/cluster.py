@@ -315,13 +315,7 @@ class Cluster:
             return
         if replica.running:
             self._advance(replica, replica.steps, replica.run_start + replica.steps * replica.step_s)
-            still = []
-            for seq in replica.running:
-                if seq.left <= 0:
-                    self._finish(replica, seq.request)
-                else:
-                    still.append(seq)
-            replica.running = still
+            self._end_finished(replica)
         room = self.profile.max_batch - len(replica.running)
         while replica.waiting and room > 0:
             request = replica.waiting.popleft()
@@ -340,8 +334,18 @@ class Cluster:
             replica.run_start, replica.steps = self.now, steps
             self._at(self.now + steps * replica.step_s, self._tick, replica, replica.version)
 
-    def _finish(self, replica: _Decode, request: SimRequest) -> None:
-        request.done_s = self.now
+    def _end_finished(self, replica: _Decode | _Worker) -> None:
+        """Take the sequences whose last token is out of ``replica``'s batch."""
+        still = []
+        for seq in replica.running:
+            if seq.left <= 0:
+                self._finish(replica, seq.request)
+            else:
+                still.append(seq)
+        replica.running = still
+
+    def _finish(self, replica: _Replica, request: SimRequest, at: float | None = None) -> None:
+        request.done_s = self.now if at is None else at
         replica.assigned -= 1
         self.finished.append(request)
 
@@ -393,13 +397,7 @@ class Cluster:
         w.version += 1
         if w.steps:  # the end of a decode-only run
             self._worker_steps(w, w.steps, w.step_s)
-        still = []
-        for seq in w.running:
-            if seq.left <= 0:
-                self._finish_worker(w, seq.request)
-            else:
-                still.append(seq)
-        w.running = still
+        self._end_finished(w)
         t = self.now
         budget = self.deploy.chunked_prefill_tokens or None
         while w.waiting and (budget is None or budget > 0) and len(w.running) < self.profile.max_batch:
@@ -420,8 +418,7 @@ class Cluster:
             request.first_token_s = t
             self.recent_ttft.append((t, t - request.arrival_s))
             if request.output_len <= 1:
-                request.done_s = t
-                self._finish_worker(w, request, t)
+                self._finish(w, request, t)
             else:
                 w.running.append(_Seq(request, request.output_len - 1, request.input_len + 1, t))
         if w.running:
@@ -442,11 +439,6 @@ class Cluster:
             self._at(t, self._iterate, w, w.version)
         else:
             w.busy = False
-
-    def _finish_worker(self, w: _Worker, request: SimRequest, at: float | None = None) -> None:
-        request.done_s = self.now if at is None else at
-        w.assigned -= 1
-        self.finished.append(request)
 
     # --- the scaler -------------------------------------------------------------------------
 
