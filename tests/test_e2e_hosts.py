@@ -33,7 +33,7 @@ QUESTION = "What is the capital of France?"
 PLACEMENT = {"ingress": ["head"], "prefill": ["prefill", "prefill-b"], "kv_shuttle": ["shuttle"],
              "decode": ["decode-a", "decode-b"]}
 # prefill-1 (on prefill-b) is the scaler's: parked until prefill holds more than 2 requests for half
-# a second; parked again 3 s after it holds none
+# a second; parked again 1.5 s after it holds none
 SCALER = """
 [scaler]
 interval_s = 0.25
@@ -43,8 +43,8 @@ decode_queue_per_replica = 100
 tbt_slo_ms = 60000
 ttft_slo_ms = 60000
 up_after_s = 0.5
-down_after_s = 3
-cooldown_s = 2
+down_after_s = 1.5
+cooldown_s = 1
 """
 
 

@@ -26,8 +26,8 @@ prefill_queue_per_replica = 3
 tbt_slo_ms = 60000
 ttft_slo_ms = 60000
 up_after_s = 0.5
-down_after_s = 3
-cooldown_s = 2
+down_after_s = 1.5
+cooldown_s = 1
 """
 
 
