@@ -17,12 +17,15 @@
     .venv/bin/python scripts/experiment_simulator.py --out bench-results/simulator
     .venv/bin/python scripts/experiment_simulator.py --parts mixed --rates 0.5,1 --num-prompts 40
 
-Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json.
+Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json. ``--resimulate``
+simulates again what an earlier run in <out> measured (its serve-*.json and profiles), measuring
+nothing: for a changed simulator.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -86,11 +89,19 @@ def compare(name: str, run: dict, profile: Profile, slo_ttft: float, slo_tbt: fl
     return {"name": name, "measured": real, "simulated": sim}
 
 
+def measured(out: Path, name: str, url_argv: tuple[str, list[str]] | None) -> dict:
+    """``pdflow bench serve``'s results: run now against ``url_argv`` (url, argv), or read back."""
+    if url_argv is None:
+        return json.loads((out / name).read_text())
+    return bench(url_argv[0], out / name, url_argv[1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("bench-results/simulator"))
     p.add_argument("--profile", type=Path, default=None, help="use this profile instead of measuring one")
     p.add_argument("--parts", default="mixed,trace,colocated")
+    p.add_argument("--resimulate", action="store_true", help="simulate <out>'s measured runs again")
     p.add_argument("--colocated-profile", type=Path, default=None,
                    help="the colocated worker's profile (default: measure one with --threads 2)")
     p.add_argument("--rates", default="0.5,1,1.5")
@@ -107,7 +118,7 @@ def main() -> int:
     say(f"# The simulator against this machine ({time.strftime('%Y-%m-%d %H:%M')})")
     say(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
     profile_path = opts.profile or opts.out / "profile.json"
-    if opts.profile is None:
+    if opts.profile is None and not opts.resimulate:
         say(f"measuring: pdflow profile --out {profile_path}")
         subprocess.run([str(Path(sys.executable).parent / "pdflow"), "profile", "--out", str(profile_path)],
                        check=True)
@@ -117,12 +128,16 @@ def main() -> int:
     results = []
     parts = opts.parts.split(",")
     slos = ["--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
+    if ("mixed" in parts or "trace" in parts) and not opts.resimulate:
+        server_context = PdflowServer(Path(tempfile.mkdtemp()))
+    else:
+        server_context = contextlib.nullcontext(None)
     if "mixed" in parts or "trace" in parts:
-        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
+        with server_context as server:
             if "mixed" in parts:
                 argv = ["--dataset", "random", "--input-len-range", "128:1024", "--output-len-range", "32:64",
                         "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", opts.rates, *slos]
-                mixed = bench(server.url, opts.out / "serve-mixed.json", argv)
+                mixed = measured(opts.out, "serve-mixed.json", server and (server.url, argv))
                 for rate, run in zip(opts.rates.split(","), mixed["runs"]):
                     results.append(compare(f"mixed, {rate} req/s", run, profile, opts.slo_ttft, opts.slo_tbt))
             if "trace" in parts:
@@ -131,7 +146,7 @@ def main() -> int:
                 argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--limit", str(opts.trace_limit), *picked,
                         "--token-scale", str(opts.token_scale), "--time-scale", str(opts.time_scale), "--save-prompts",
                         *slos]
-                trace = bench(server.url, opts.out / "serve-trace.json", argv)
+                trace = measured(opts.out, "serve-trace.json", server and (server.url, argv))
                 which = (f"{opts.conversations} conversations" if opts.conversations
                          else f"first {opts.trace_limit} requests")
                 results.append(compare(f"conversation trace, {which}, tokens x{opts.token_scale:g}, "
@@ -139,7 +154,7 @@ def main() -> int:
                                        opts.slo_tbt))
     if "colocated" in parts:
         colocated_path = opts.colocated_profile or opts.out / "profile-2-threads.json"
-        if opts.colocated_profile is None:
+        if opts.colocated_profile is None and not opts.resimulate:
             say(f"measuring: pdflow profile --threads 2 --out {colocated_path}")
             subprocess.run([str(Path(sys.executable).parent / "pdflow"), "profile", "--threads", "2", "--out",
                             str(colocated_path)], check=True)
@@ -148,8 +163,11 @@ def main() -> int:
         say()
         argv = ["--dataset", "random", "--input-len-range", "128:1024", "--output-len-range", "32:64",
                 "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", opts.rates, *slos]
-        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), mode="colocated") as server:
-            runs = bench(server.url, opts.out / "serve-colocated.json", argv)
+        if opts.resimulate:
+            runs = measured(opts.out, "serve-colocated.json", None)
+        else:
+            with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), mode="colocated") as server:
+                runs = measured(opts.out, "serve-colocated.json", (server.url, argv))
         for rate, run in zip(opts.rates.split(","), runs["runs"]):
             results.append(compare(f"colocated worker, mixed, {rate} req/s", run, colocated, opts.slo_ttft,
                                    opts.slo_tbt, Deployment(mode="colocated", block_tokens=BLOCK)))

@@ -232,3 +232,32 @@ def test_the_command_simulates_the_colocated_baseline(capsys, tmp_path):
     assert cli.main(["simulate", "--profile", str(path), "--synthetic", "2", "--mode", "colocated",
                      "--sweep", "1:1"]) == 2
     assert "--sweep is for P:D splits" in capsys.readouterr().err
+
+
+def test_pdflow_profile_measures_a_profile_the_simulator_loads(tmp_path, model_dir, capsys):
+    from pdflow.simulate.measure import tcp_gbit_per_s
+
+    assert tcp_gbit_per_s(chunk=1 << 16, count=8) > 0
+    out = tmp_path / "here.json"
+    rc = cli.main(["profile", "--out", str(out), "--prefill", "16", "32", "--batch", "1", "2", "--context", "16",
+                   "--steps", "2", "--link-gbit", "10"])
+    assert rc == 0, capsys.readouterr().err
+    measured = Profile.load(out)
+    assert measured.prefill_tokens == [16, 32] and measured.decode_batch == [1, 2] and measured.layers == 30
+    assert measured.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4  # SmolLM2's fp32 KV
+    assert "1 torch thread" in measured.source and measured.link_gbit_per_s == 10
+    r = request(0, 0.0, tokens=24, out=3)
+    simulate([r], measured, Deployment(block_tokens=16))
+    assert r.done_s is not None
+
+
+def test_a_prompt_arriving_while_the_worker_prefills_waits_its_turn(profile):
+    """b arrives during a's prefill (a decode-only run is planned to follow it): b's prefill
+    starts after a's, and after one of a's steps, never before."""
+    a = request(0, 0.0, tokens=900, out=50)
+    b = request(1, 0.5, tokens=900, out=3, ids=list(range(50, 59)))
+    simulate([a, b], profile, Deployment(mode="colocated", block_tokens=100))
+    assert a.first_token_s == pytest.approx(profile.prefill_s(900))
+    first_step = profile.decode_step_s(1, 901 + 49 / 2)
+    assert b.first_token_s == pytest.approx(a.first_token_s + first_step + profile.prefill_s(900))
+    assert a.gaps[0] == pytest.approx(first_step)

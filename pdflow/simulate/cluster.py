@@ -193,6 +193,7 @@ class Cluster:
     # --- the event loop ---------------------------------------------------------------------
 
     def _at(self, when: float, action, *args) -> None:
+        assert when >= self.now - 1e-9, f"an event in the past ({when} < {self.now})"
         heapq.heappush(self.events, (when, next(self._order), action, args))
 
     def run(self, requests: list[SimRequest], scaler_interval_s: float = 1.0) -> list[SimRequest]:
@@ -365,11 +366,13 @@ class Cluster:
         if not w.busy:
             self._iterate(w, w.version)
         elif w.steps:  # a decode-only run: cut at the next step boundary, where the prefill starts
-            done = math.floor((self.now - w.run_start) / w.step_s + 1e-9)
-            if done < w.steps:
+            # (still in the prefill work before the run: after the run's first step, as the worker
+            # does one step between two rounds of prefill work)
+            steps = max(1, math.floor((self.now - w.run_start) / w.step_s + 1e-9) + 1)
+            if steps <= w.steps:
                 w.version += 1
-                boundary = w.run_start + (done + 1) * w.step_s
-                self._worker_steps(w, done + 1, w.step_s)
+                boundary = w.run_start + steps * w.step_s
+                self._worker_steps(w, steps, w.step_s)
                 w.steps = 0
                 self._at(boundary, self._iterate, w, w.version)
 

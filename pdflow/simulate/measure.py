@@ -75,9 +75,10 @@ def tcp_gbit_per_s(chunk: int = 4 << 20, count: int = 64) -> float:
     return asyncio.run(measure())
 
 
-def main(args: argparse.Namespace, progress=sys.stderr) -> int:
+def main(args: argparse.Namespace, progress=None) -> int:
     import torch
 
+    progress = progress or sys.stderr  # (looked up now: a default bound at import can be a closed stream)
     from pdflow.bench.engine import pdflow_times
     from pdflow.engine import load_model
     from pdflow.models import ModelError, resolve
@@ -106,7 +107,7 @@ def main(args: argparse.Namespace, progress=sys.stderr) -> int:
         "source": f"pdflow profile on {platform.processor() or platform.machine()}, {args.threads} torch "
                   f"thread(s), {time.strftime('%Y-%m-%d')}; link: "
                   + ("as given" if args.link_gbit is not None else "tcp transport on loopback, measured"),
-        "layers": layout.num_layers, "kv_bytes_per_token": layout.token_bytes,
+        "layers": layout.num_layers, "kv_bytes_per_token": layout.request_bytes(1),
         "prefill": {"tokens": sorted(prefill), "seconds": [prefill[n] for n in sorted(prefill)]},
         "decode": {"batch": list(args.batch), "context": list(args.context), "seconds": decode},
         "link": {"gbit_per_s": round(link, 2), "latency_s": 0.0}, "fetch_gbit_per_s": round(link, 2),
@@ -121,7 +122,7 @@ def main(args: argparse.Namespace, progress=sys.stderr) -> int:
     return 0
 
 
-def pipeline_overheads(profile: dict, lengths: list[int], progress=sys.stderr, output: int = 64) -> dict:
+def pipeline_overheads(profile: dict, lengths: list[int], progress, output: int = 64) -> dict:
     """``prefill_overhead_s`` and ``decode_overhead_s``: one request at a time through a real PD
     pipeline, against what ``profile`` (without overheads) predicts for each."""
     import statistics
