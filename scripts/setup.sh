@@ -27,8 +27,6 @@ else
 fi
 if [ -n "$missing" ]; then
   echo "pdflow setup: installing dependencies into .venv (extras: $extras)" >&2
-  # --no-compile: Python compiles what is imported when it is first imported; compiling all of
-  # torch, ray and ucxx up front took tens of seconds of every fresh set-up
   .venv/bin/python -m pip install --quiet --upgrade pip
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     # Without a GPU, take the CPU build of torch (a pinned release lies on this machine's
@@ -37,15 +35,15 @@ if [ -n "$missing" ]; then
     if [ -z "${PDFLOW_TORCH:-}" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       torch_spec=torch
     fi
-    .venv/bin/python -m pip install --quiet --no-compile "$torch_spec"
+    .venv/bin/python -m pip install --quiet "$torch_spec"
   fi
-  if ! .venv/bin/python -m pip install --quiet --no-compile -e ".[$extras]"; then
+  if ! .venv/bin/python -m pip install --quiet -e ".[$extras]"; then
     case ",$extras," in
       *,ucx,*)  # ucxx publishes wheels for some platforms and Pythons only: go on without it
         echo "pdflow setup: WARNING: installing the ucx extra failed; continuing without it" \
              "(the ucx transport's tests will skip, saying ucxx is not installed)" >&2
         extras=$(printf '%s\n' ${extras//,/ } | grep -vx ucx | paste -sd, -)
-        .venv/bin/python -m pip install --quiet --no-compile -e ".[$extras]" ;;
+        .venv/bin/python -m pip install --quiet -e ".[$extras]" ;;
       *) exit 1 ;;
     esac
   fi
