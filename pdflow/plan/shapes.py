@@ -20,7 +20,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["KNOWN", "ModelShape", "from_config", "lookup"]
+__all__ = ["KNOWN", "ModelShape", "from_config", "lookup", "read_json"]
+
+
+def read_json(path: Path):
+    """The JSON in ``path``; ValueError naming the file when it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +80,7 @@ def from_config(path: str | Path) -> ModelShape:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
+    config = read_json(path)
     config = config.get("text_config", config)  # multimodal configs nest the language model's
 
     def need(key: str) -> int:

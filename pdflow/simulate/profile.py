@@ -30,7 +30,6 @@ A profile is JSON::
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,14 +93,10 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         """ValueError naming the file and the key that is missing or wrong."""
+        from pdflow.plan.shapes import read_json
+
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except OSError as exc:
-            raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not JSON ({exc})") from None
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(read_json(path), str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "profile") -> Profile:
