@@ -147,7 +147,7 @@ def _conversations(router, replicas: int = 2, silent: int | None = None, **optio
                     answer = reply.choices[0].message.content
                     turns.append((turn, reply.usage.prompt_tokens, details.cached_tokens if details else 0, answer))
                     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Say more."}]
-                    await asyncio.sleep(0.6)  # the stores report a few times a second
+                    await asyncio.sleep(0.4)  # the stores report four times a second
             return turns, [running.stage("kv_shuttle", i).stats() for i in range(replicas)]
 
     return asyncio.run(main())

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from pdflow.kv.layout import checksum
+from pdflow.kv.checksum import checksum
 from pdflow.messages import KvChunkHeader
 from pdflow.transports import (
     ChecksumMismatch,
@@ -45,7 +45,7 @@ from pdflow.transports import (
 )
 
 TIMEOUT_S = 20.0  # any single wait inside a check
-STARTUP_S = 60.0  # a child peer imports torch; slow machines take a while
+STARTUP_S = 60.0  # a child peer starting (ucx: its worker too); slow machines take a while
 SIZES = (0, 1, 12345, 64 << 20)
 BIG = 64 << 20
 STREAM = 16  # chunks of BIG in a row: more than any socket buffers hold, so a stalled peer blocks us
