@@ -192,11 +192,14 @@ def test_a_trace_is_replayed_faster_and_smaller_keeping_its_blocks():
 # --- colocated workers ----------------------------------------------------------------------
 
 def test_a_colocated_worker_alone_prefills_then_decodes(profile):
+    """As the worker: the prefill, then one step with the prompt in the batch, and only then its
+    first token, with its second (no gap between them); then steps back to back."""
     r = request(0, 1.0, tokens=200, out=5)
     simulate([r], profile, Deployment(mode="colocated", block_tokens=100))
-    assert r.first_token_s == pytest.approx(1.0 + profile.prefill_s(200))  # no link: the KV is already there
-    step = profile.decode_step_s(1, 201 + 4 / 2)
-    assert r.gaps == pytest.approx([step] * 4)
+    first_step = profile.decode_step_s(1, 201)
+    assert r.first_token_s == pytest.approx(1.0 + profile.prefill_s(200) + first_step)  # no link
+    step = profile.decode_step_s(1, 202 + 3 / 2)
+    assert r.gaps == pytest.approx([0.0] + [step] * 3)
 
 
 @pytest.mark.parametrize("chunk", [0, 100])
@@ -211,14 +214,14 @@ def test_a_prompt_arriving_stalls_the_running_batch_for_its_prefill_or_one_chunk
     else:  # no gap holds more than one 100-token chunk and a step
         assert stall < whole / 3
         assert b.first_token_s - 1.0 > whole  # b took longer: its chunks shared the loop with a's steps
-    assert a.done_s is not None and len(a.gaps) == 199 and len(b.gaps) == 2
+    assert a.done_s is not None and len(a.gaps) == 199 and len(b.gaps) == 2 and b.gaps[0] == 0.0
 
 
 def test_a_colocated_worker_reuses_its_own_store(profile):
     first, again = request(0, 0.0, 500, ids=[1, 2, 3, 4, 5]), request(1, 50.0, 600, ids=[1, 2, 3, 4, 5, 6])
     simulate([first, again], profile, Deployment(mode="colocated", workers=2, block_tokens=100), "cache_aware")
     assert again.cached_tokens == 500 and again.route == first.route
-    assert again.first_token_s - 50.0 == pytest.approx(profile.prefill_s(100, 500))
+    assert again.first_token_s - 50.0 == pytest.approx(profile.prefill_s(100, 500) + profile.decode_step_s(1, 601))
     with pytest.raises(ValueError, match="not with mode = 'colocated'"):
         Deployment(mode="colocated", min_prefill=1)
 
@@ -251,13 +254,18 @@ def test_pdflow_profile_measures_a_profile_the_simulator_loads(tmp_path, model_d
     assert r.done_s is not None
 
 
-def test_a_prompt_arriving_while_the_worker_prefills_waits_its_turn(profile):
-    """b arrives during a's prefill (a decode-only run is planned to follow it): b's prefill
-    starts after a's, and after one of a's steps, never before."""
+def test_a_prompt_arriving_while_the_worker_prefills_joins_that_prefill_work(profile):
+    """b arrives during a's prefill: the worker reads its queue as it goes, so b is prefilled in
+    the same iteration, and a's first token waits for b's prefill and the step they share."""
     a = request(0, 0.0, tokens=900, out=50)
     b = request(1, 0.5, tokens=900, out=3, ids=list(range(50, 59)))
     simulate([a, b], profile, Deployment(mode="colocated", block_tokens=100))
-    assert a.first_token_s == pytest.approx(profile.prefill_s(900))
-    first_step = profile.decode_step_s(1, 901 + 49 / 2)
-    assert b.first_token_s == pytest.approx(a.first_token_s + first_step + profile.prefill_s(900))
-    assert a.gaps[0] == pytest.approx(first_step)
+    shared = 2 * profile.prefill_s(900) + profile.decode_step_s(2, 901)
+    assert a.first_token_s == pytest.approx(shared) and b.first_token_s == pytest.approx(shared)
+    assert a.gaps[0] == b.gaps[0] == 0.0
+    # a batch that is full stops the prefill work: c waits for the next iteration
+    full = Profile.from_dict({**PROFILE, "max_batch": 1})
+    a, c = request(0, 0.0, tokens=900, out=50), request(2, 0.0, tokens=100, out=3, ids=[90])
+    simulate([a, c], full, Deployment(mode="colocated", block_tokens=100))
+    assert a.first_token_s == pytest.approx(full.prefill_s(900) + full.decode_step_s(1, 901))
+    assert c.first_token_s > a.done_s

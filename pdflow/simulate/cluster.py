@@ -23,11 +23,14 @@ What is modelled, and how:
   emits one token per sequence and costs :meth:`Profile.decode_step_s` at the batch's size and
   mean context. Between joins and ends the steps are advanced in one event.
 - **Colocated** (``mode = "colocated"``: pdflow's worker stage, the baseline): each worker
-  replica keeps its own store and loops as the worker does: prefill work first (every waiting
-  prompt whole, or at most ``chunked_prefill_tokens`` tokens of them), each prompt emitting its first
-  token when its prefill ends and joining the batch, then one decode step for the batch. A
-  running sequence's gap between tokens includes the prefill work done between its steps. Routed
-  as stage ``worker``, whose stores a router that asks is told about.
+  replica keeps its own store and loops as :mod:`pdflow.stages.worker` does. An iteration does the
+  prefill work (the queue's head, whole or at most ``chunked_prefill_tokens`` tokens of it, again
+  and again while the batch has room and the budget lasts, prompts arriving meanwhile included:
+  the worker reads its queue as it goes), then one decode step for the batch with the prompts just
+  prefilled in it; only then do those prompts' first tokens go out, together with the step's. A
+  running sequence's gap between tokens includes the prefill work done between its steps. With
+  nothing to prefill, steps run back to back. Routed as stage ``worker``, whose stores a router
+  that asks is told about.
 - **The scaler**: pdflow's :class:`~pdflow.runtime.scaler.Scaler` decides every ``interval_s``
   from the same :class:`~pdflow.runtime.scaler.Load` the launcher builds (running replicas,
   prefill's queue, decode's batch, TTFT and TBT p90 over ``window_s``); a started replica is ready
@@ -151,6 +154,9 @@ class _Worker(_Replica):
         self.running: list[_Seq] = []
         self.store = _Store(capacity)
         self.busy = False
+        self.budget: int | None = None  # prompt tokens this iteration may still prefill (None: no limit)
+        self.finishing: SimRequest | None = None  # the prompt whose prefill ends at the next event
+        self.prefilled_now: list[SimRequest] = []  # prompts prefilled in this iteration
         self.run_start = 0.0
         self.step_s = 0.0
         self.steps = 0  # planned decode-only steps of this run (0: an iteration, or idle)
@@ -321,8 +327,7 @@ class Cluster:
         while replica.waiting and room > 0:
             request = replica.waiting.popleft()
             room -= 1
-            request.first_token_s = self.now
-            self.recent_ttft.append((self.now, self.now - request.arrival_s))
+            self._first_token(request, self.now)
             if request.output_len <= 1:
                 self._finish(replica, request)
             else:
@@ -356,18 +361,12 @@ class Cluster:
         statuses = [s for s in self._holdings(request, [w.assigned for w in self.workers])]
         w = self.workers[self.router.route("worker", prompt, statuses)]
         request.route = (w.number, w.number, w.number)
-        reusable = (request.input_len - 1) // self.deploy.block_tokens
-        own = min(w.store.prefix(request.hash_ids, False), reusable)
-        w.store.touch(request.hash_ids[:own])
-        request.cached_tokens = own * self.deploy.block_tokens
         w.store.expect(request.hash_ids, 1)
         w.assigned += 1
         w.waiting.append(request)
         if not w.busy:
             self._iterate(w, w.version)
-        elif w.steps:  # a decode-only run: cut at the next step boundary, where the prefill starts
-            # (still in the prefill work before the run: after the run's first step, as the worker
-            # does one step between two rounds of prefill work)
+        elif w.steps:  # a decode-only run: cut at the next step boundary, where an iteration starts
             steps = max(1, math.floor((self.now - w.run_start) / w.step_s + 1e-9) + 1)
             if steps <= w.steps:
                 w.version += 1
@@ -375,6 +374,8 @@ class Cluster:
                 self._worker_steps(w, steps, w.step_s)
                 w.steps = 0
                 self._at(boundary, self._iterate, w, w.version)
+        # else: in an iteration's prefill work, which reads the queue as it goes (it is taken
+        # there), or in its decode step (the next iteration takes it)
 
     def _worker_steps(self, w: _Worker, steps: int, step_s: float) -> None:
         """``steps`` decode steps of ``w``'s batch from ``w.run_start``: tokens and their gaps
@@ -393,55 +394,90 @@ class Cluster:
         w.steps = max(0, w.steps - steps)
 
     def _iterate(self, w: _Worker, version: int) -> None:
-        """One pass of the worker's loop at ``now``: end what finished, prefill work, one decode
-        step (or, with nothing to prefill, a run of steps up to the next sequence's end)."""
+        """The start of a pass of the worker's loop at ``now``: end what finished, then the
+        prefill work (:meth:`_prefill_work`) and a decode step (:meth:`_decode_step`)."""
         if version != w.version:
             return
         w.version += 1
         if w.steps:  # the end of a decode-only run
             self._worker_steps(w, w.steps, w.step_s)
         self._end_finished(w)
-        t = self.now
-        budget = self.deploy.chunked_prefill_tokens or None
-        while w.waiting and (budget is None or budget > 0) and len(w.running) < self.profile.max_batch:
-            request = w.waiting[0]
-            cached, new = request.cached_tokens, request.input_len - request.cached_tokens
-            k = new - w.prefilled if budget is None else min(budget, new - w.prefilled)
-            t += self.profile.prefill_s(k, cached + w.prefilled) - (0 if w.prefilled == 0 else
-                                                                     self.profile.prefill_overhead_s)
-            w.prefilled += k
-            if budget is not None:
-                budget -= k
-            if w.prefilled < new:
-                break
-            w.waiting.popleft()
-            w.prefilled = 0
+        w.busy = True
+        w.budget = self.deploy.chunked_prefill_tokens or None
+        self._prefill_work(w, w.version)
+
+    def _prefill_work(self, w: _Worker, version: int) -> None:
+        """The iteration's prefill work, one prompt (or chunk) per event. As the worker's loop, it
+        takes the queue's head while the batch has room and the budget lasts, prompts that arrive
+        meanwhile included; a prompt's cached prefix is looked up as it starts, its blocks stored
+        as it ends. Then :meth:`_decode_step`."""
+        if version != w.version:
+            return
+        if w.finishing is not None:  # its prefill ended now
+            request, w.finishing = w.finishing, None
             w.store.expect(request.hash_ids, -1)
             w.store.touch(request.hash_ids)
-            request.first_token_s = t
-            self.recent_ttft.append((t, t - request.arrival_s))
-            if request.output_len <= 1:
+            w.prefilled_now.append(request)
+        if not (w.waiting and (w.budget is None or w.budget > 0)
+                and len(w.running) + len(w.prefilled_now) < self.profile.max_batch):
+            self._decode_step(w)
+            return
+        request, block = w.waiting[0], self.deploy.block_tokens
+        if w.prefilled == 0:
+            own = min(w.store.prefix(request.hash_ids, False), (request.input_len - 1) // block)
+            w.store.touch(request.hash_ids[:own])
+            request.cached_tokens = own * block
+        cached, new = request.cached_tokens, request.input_len - request.cached_tokens
+        k = new - w.prefilled if w.budget is None else min(w.budget, new - w.prefilled)
+        seconds = self.profile.prefill_s(k, cached + w.prefilled)
+        if w.prefilled:  # a later chunk of a prompt: one forward pass's overhead was paid by the first
+            seconds -= self.profile.prefill_overhead_s
+        w.prefilled += k
+        if w.budget is not None:
+            w.budget -= k
+        if w.prefilled >= new:
+            w.waiting.popleft()
+            w.prefilled, w.finishing = 0, request
+        self._at(self.now + max(0.0, seconds), self._prefill_work, w, w.version)
+
+    def _decode_step(self, w: _Worker) -> None:
+        """The iteration's decode step, for the batch and the prompts just prefilled (they join
+        it); as the worker, it sends their first tokens once the step is done, with the step's
+        (their second: no gap between them). With nothing prefilled and nothing waiting, a run of
+        steps up to the next sequence's end instead, cut if a prompt arrives."""
+        t, joined = self.now, w.prefilled_now
+        w.prefilled_now = []
+        new = [_Seq(r, r.output_len - 1, r.input_len + 1) for r in joined if r.output_len > 1]
+        w.running.extend(new)
+        if not w.running:  # nothing to step: the iteration ends now
+            for request in joined:
+                self._first_token(request, t)
                 self._finish(w, request, t)
-            else:
-                w.running.append(_Seq(request, request.output_len - 1, request.input_len + 1, t))
-        if w.running:
-            mean_context = sum(seq.context for seq in w.running) / len(w.running)
-            step_s = self.profile.decode_step_s(len(w.running), mean_context)
-            w.run_start, w.step_s = t, step_s
-            if w.waiting:  # one step, then prefill work again
-                self._worker_steps(w, 1, step_s)
-                w.busy = True
-                self._at(w.run_start, self._iterate, w, w.version)
-            else:  # nothing to prefill: steps up to the next end, cut if a prompt arrives
-                steps = min(seq.left for seq in w.running)
-                w.step_s = self.profile.decode_step_s(len(w.running), mean_context + steps / 2)
-                w.steps, w.busy = steps, True
-                self._at(t + steps * w.step_s, self._iterate, w, w.version)
-        elif w.waiting or t > self.now:  # prefill work took time: go on once it is done
-            w.busy = True
-            self._at(t, self._iterate, w, w.version)
-        else:
-            w.busy = False
+            w.busy = bool(w.waiting)  # (a chunk budget spent: the next iteration goes on with it)
+            if w.busy:
+                self._at(t, self._iterate, w, w.version)
+            return
+        mean_context = sum(seq.context for seq in w.running) / len(w.running)
+        step_s = self.profile.decode_step_s(len(w.running), mean_context)
+        w.run_start, w.step_s = t, step_s
+        if joined or w.waiting:  # one step, then the next iteration
+            for seq in new:
+                seq.last_s = t + step_s
+            for request in joined:
+                self._first_token(request, t + step_s)
+                if request.output_len <= 1:
+                    self._finish(w, request, t + step_s)
+            self._worker_steps(w, 1, step_s)
+            self._at(t + step_s, self._iterate, w, w.version)
+        else:  # nothing to prefill: steps up to the next end, cut if a prompt arrives
+            steps = min(seq.left for seq in w.running)
+            w.step_s = self.profile.decode_step_s(len(w.running), mean_context + steps / 2)
+            w.steps = steps
+            self._at(t + steps * w.step_s, self._iterate, w, w.version)
+
+    def _first_token(self, request: SimRequest, at: float) -> None:
+        request.first_token_s = at
+        self.recent_ttft.append((at, at - request.arrival_s))
 
     # --- the scaler -------------------------------------------------------------------------
 
