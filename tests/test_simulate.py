@@ -81,13 +81,27 @@ def test_prefill_is_first_come_first_served_and_decode_joins_at_a_step_boundary(
 
 
 def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
+    """The store sends the prefix to prefill (over the profile's slow link here: 500 KB at 125 KB/s
+    is 4 s), which computes each layer once its part of the prefix is in: the last layer's wait
+    plus one layer's compute; then decode's KV tail."""
     first = request(0, 0.0, tokens=500, ids=[1, 2, 3, 4, 5])
     again = request(1, 100.0, tokens=600, ids=[1, 2, 3, 4, 5, 6])
     simulate([first, again], profile, Deployment(block_tokens=100))
     assert again.cached_tokens == 500
-    prefill = profile.prefill_s(100, 500)
+    compute = profile.prefill_s(100, 500)
+    prefill = 0.001 + 4.0 + compute / 10  # the prefix is the slower: its last layer, then that layer's compute
     tail = transfer(600 * 1000, 10, 0.001, prefill, 0.001).streamed_tail_s
     assert again.first_token_s == pytest.approx(100.0 + prefill + tail)
+    fast = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 1000, "latency_s": 0}})
+    simulate([first, again], fast, Deployment(block_tokens=100))  # 4 us of prefix: compute is the slower
+    prefill = 4e-6 / 10 + compute  # (the first layer's wait, then every layer's compute)
+    assert again.first_token_s - 100.0 == pytest.approx(prefill + transfer(600 * 1000, 10, 1000, prefill).streamed_tail_s)
+    # a prefix that lands while its request waits in prefill's queue costs it nothing more
+    second = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 0.004, "latency_s": 0}})  # 1 s of prefix
+    ahead = request(2, 100.0, tokens=900, ids=list(range(50, 59)))  # 1.81 s of prefill first
+    simulate([first, ahead, again], second, Deployment(block_tokens=100))
+    assert again.first_token_s - 100.0 == pytest.approx(
+        second.prefill_s(900) + compute + transfer(600 * 1000, 10, 0.004, compute).streamed_tail_s)
     last_token = request(2, 200.0, tokens=500, ids=[1, 2, 3, 4, 5])  # never the prompt's last token
     simulate([first, last_token], profile, Deployment(block_tokens=100))
     assert last_token.cached_tokens == 400

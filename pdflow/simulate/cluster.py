@@ -14,7 +14,11 @@ What is modelled, and how:
   prompt's last token, as pdflow); a router's ``fetch_from`` adds the run another store has
   beyond that, at ``fetch_gbit_per_s``; every block is stored once prefill ends.
 - **Prefill** replicas take requests first come first served, one at a time; the new tokens of a
-  prompt with ``c`` cached cost ``F(c + n) - F(c)`` (:meth:`Profile.prefill_s`).
+  prompt with ``c`` cached cost ``F(c + n) - F(c)`` (:meth:`Profile.prefill_s`). The store sends
+  the cached prefix over the link when the request reaches prefill's queue, and prefill computes
+  layer ``l`` once that layer of it is in: with ``T`` the whole prefix's transfer and ``P`` the
+  compute over ``L`` layers, prefill ends at the latest of its start + ``P``, the prefix's first
+  layer in + ``P`` and its last layer in + ``P / L``.
 - **The link**: decode holds all of a request's KV (prefix read from the store and new tokens
   alike) the streamed tail after prefill ends (:func:`pdflow.plan.transfer.transfer`, layer
   streaming); links are not shared between requests (no contention).
@@ -195,6 +199,7 @@ class Cluster:
         self.recent_tbt: deque[tuple[float, float]] = deque()
         self.replica_log: list[tuple[float, int, int]] = []  # (time, prefill running, decode running)
         self._fetch_rate = bytes_per_s(profile.fetch_gbit_per_s)
+        self._link_rate = bytes_per_s(profile.link_gbit_per_s)
 
     # --- the event loop ---------------------------------------------------------------------
 
@@ -262,6 +267,9 @@ class Cluster:
 
     def _enqueue(self, request: SimRequest) -> None:
         replica = self.prefills[request.route[0]]
+        if request.cached_tokens:  # the store sends the prefix now; it lands while the request waits
+            request.prefix_in_s = self.now + self.profile.link_latency_s + \
+                request.cached_tokens * self.profile.kv_bytes_per_token / self._link_rate
         replica.queue.append(request)
         if not replica.busy:
             self._next_prefill(replica)
@@ -274,6 +282,11 @@ class Cluster:
         replica.busy = True
         new = request.input_len - request.cached_tokens
         seconds = self.profile.prefill_s(new, request.cached_tokens)
+        if request.cached_tokens:  # layer l computes once its prefix's layer l is in (as prefill does)
+            layers, sent_at = self.profile.layers, request.prefix_in_s - self.now
+            whole = request.cached_tokens * self.profile.kv_bytes_per_token / self._link_rate
+            first_in = sent_at - whole + whole / layers  # (sent_at: when the last layer is in, from now)
+            seconds = max(seconds, first_in + seconds, sent_at + seconds / layers)
         self._at(self.now + seconds, self._prefilled, replica, request, seconds)
 
     def _prefilled(self, replica: _Prefill, request: SimRequest, seconds: float) -> None:

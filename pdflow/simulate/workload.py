@@ -21,6 +21,7 @@ class SimRequest:
     # what happened to it (filled in by the simulation)
     cached_tokens: int = 0
     fetched_tokens: int = 0
+    prefix_in_s: float = 0.0  # when its cached prefix is all at its prefill replica
     first_token_s: float | None = None
     done_s: float | None = None
     gaps: list[float] = field(default_factory=list)
