@@ -16,7 +16,7 @@ from pdflow.plan.transfer import transfer
 from pdflow.routing import ReplicaStatus, Router, RoutingRequest
 from pdflow.simulate.cluster import Deployment
 from pdflow.simulate.profile import Profile
-from pdflow.simulate.run import simulate
+from pdflow.simulate.run import capacity, simulate
 from pdflow.simulate.workload import SimRequest, TracePrompt, from_trace, synthetic
 
 ROOT = Path(__file__).parent.parent
@@ -95,7 +95,8 @@ def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
     fast = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 1000, "latency_s": 0}})
     simulate([first, again], fast, Deployment(block_tokens=100))  # 4 us of prefix: compute is the slower
     prefill = 4e-6 / 10 + compute  # (the first layer's wait, then every layer's compute)
-    assert again.first_token_s - 100.0 == pytest.approx(prefill + transfer(600 * 1000, 10, 1000, prefill).streamed_tail_s)
+    tail = transfer(600 * 1000, 10, 1000, prefill).streamed_tail_s
+    assert again.first_token_s - 100.0 == pytest.approx(prefill + tail)
     # a prefix that lands while its request waits in prefill's queue costs it nothing more
     second = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 0.004, "latency_s": 0}})  # 1 s of prefix
     ahead = request(2, 100.0, tokens=900, ids=list(range(50, 59)))  # 1.81 s of prefill first
@@ -283,3 +284,12 @@ def test_a_prompt_arriving_while_the_worker_prefills_joins_that_prefill_work(pro
     simulate([a, c], full, Deployment(mode="colocated", block_tokens=100))
     assert a.first_token_s == pytest.approx(full.prefill_s(900) + full.decode_step_s(1, 901))
     assert c.first_token_s > a.done_s
+
+
+def test_capacity_is_where_the_share_within_the_slos_falls_through_the_target():
+    assert capacity([(20, 0.91), (10, 0.95), (30, 0.80)], 0.9) == (pytest.approx(20 + 10 * 0.01 / 0.11),
+                                                                  "between two loads run")
+    assert capacity([(10, 0.95), (20, 0.92)])[0] == 20 and "at least" in capacity([(10, 0.95), (20, 0.92)])[1]
+    assert capacity([(10, 0.89), (20, 0.5)]) == (None, "below 10.0 (the lowest load run)")
+    with pytest.raises(ValueError, match="no runs"):
+        capacity([])

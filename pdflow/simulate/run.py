@@ -11,7 +11,7 @@ from pdflow.simulate.cluster import Cluster, Deployment
 from pdflow.simulate.profile import Profile
 from pdflow.simulate.workload import SimRequest
 
-__all__ = ["Outcome", "records_of", "simulate"]
+__all__ = ["Outcome", "capacity", "records_of", "simulate"]
 
 
 @dataclass
@@ -62,3 +62,19 @@ def simulate(requests: list[SimRequest], profile: Profile, deployment: Deploymen
     duration = (max(done) - min(r.arrival_s for r in requests)) if done else 0.0
     metrics = summarize(records, duration, slo_ttft_ms, slo_tbt_ms, deployment.block_tokens)
     return Outcome(metrics, records, cluster.replica_log, cluster)
+
+
+def capacity(points: list[tuple[float, float]], attainment: float = 0.9) -> tuple[float | None, str]:
+    """The load at which the share of requests within the SLOs falls through ``attainment``, from
+    ``points`` of (load, share) of runs at several loads: linear between the last load that keeps
+    it and the next, which does not. Returns the load (None: not even the lowest keeps it) and how
+    it was found."""
+    points = sorted(points)
+    if not points:
+        raise ValueError("no runs to find a capacity in")
+    if points[0][1] < attainment:
+        return None, f"below {points[0][0]:.1f} (the lowest load run)"
+    for (low, kept), (high, lost) in zip(points, points[1:]):
+        if lost < attainment:
+            return low + (kept - attainment) / (kept - lost) * (high - low), "between two loads run"
+    return points[-1][0], "at least (the highest load run)"
