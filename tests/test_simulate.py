@@ -65,12 +65,15 @@ def test_one_request_takes_what_the_profile_says(profile):
 
 
 def test_prefill_is_first_come_first_served_and_decode_joins_at_a_step_boundary(profile):
-    a, b = request(0, 0.0, out=100), request(1, 0.0, out=5)
+    a, b = request(0, 0.0, out=400), request(1, 0.0, out=5)  # a decodes until after b's KV is in
     simulate([a, b], profile, Deployment(block_tokens=100))
     prefill = profile.prefill_s(200)
     tail = transfer(200 * 1000, 10, 0.001, prefill, 0.001).streamed_tail_s
     assert a.first_token_s == pytest.approx(prefill + tail)
-    kv_in = 2 * prefill + tail  # b's prefill waited for a's
+    # b's prefill waited for a's, and its KV for a's on the links (200 KB at 125 KB/s each: the
+    # links, not prefill, are the bottleneck here)
+    assert 2 * prefill + tail < a.first_token_s + 1.6
+    kv_in = a.first_token_s + 200 * 1000 / 125_000
     alone = a.gaps[0]
     boundary = a.first_token_s + math.ceil((kv_in - a.first_token_s) / alone - 1e-9) * alone
     assert b.first_token_s == pytest.approx(boundary)
@@ -78,6 +81,17 @@ def test_prefill_is_first_come_first_served_and_decode_joins_at_a_step_boundary(
     assert a.gaps[:joined] == pytest.approx([alone] * joined)
     assert a.gaps[joined] > alone  # a batch of two steps slower
     assert all(r.done_s is not None and len(r.gaps) == r.output_len - 1 for r in (a, b))
+
+
+def test_transfers_share_a_replica_s_link_and_not_another_s(profile):
+    """Two prompts at once on two prefill replicas: into two decode replicas their KV moves side by
+    side; into one, the second waits for the first on decode's link (1.6 s each at 125 KB/s)."""
+    a, b = request(0, 0.0), request(1, 0.0)
+    simulate([a, b], profile, Deployment(prefill=2, decode=2, block_tokens=100))
+    apart = a.first_token_s
+    assert b.first_token_s == pytest.approx(apart) and a.route[2] != b.route[2]
+    simulate([a, b], profile, Deployment(prefill=2, decode=1, block_tokens=100))
+    assert sorted([a.first_token_s, b.first_token_s]) == pytest.approx([apart, apart + 1.6])
 
 
 def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
@@ -101,8 +115,10 @@ def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
     second = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 0.004, "latency_s": 0}})  # 1 s of prefix
     ahead = request(2, 100.0, tokens=900, ids=list(range(50, 59)))  # 1.81 s of prefill first
     simulate([first, ahead, again], second, Deployment(block_tokens=100))
-    assert again.first_token_s - 100.0 == pytest.approx(
-        second.prefill_s(900) + compute + transfer(600 * 1000, 10, 0.004, compute).streamed_tail_s)
+    end = 100.0 + second.prefill_s(900) + compute  # again's prefill: only its compute, the prefix was in
+    ahead_sent = 100.0 + max(second.prefill_s(900) + 0.18, second.prefill_s(900) / 10 + 1.8)  # 900 KB at 500 KB/s
+    # again's 600 KB then follow on the same links, from when ahead's are out
+    assert again.first_token_s == pytest.approx(max(end + 0.12, max(end - compute + compute / 10, ahead_sent) + 1.2))
     last_token = request(2, 200.0, tokens=500, ids=[1, 2, 3, 4, 5])  # never the prompt's last token
     simulate([first, last_token], profile, Deployment(block_tokens=100))
     assert last_token.cached_tokens == 400
@@ -158,7 +174,8 @@ def test_any_router_decides_as_it_would_in_pdflow(profile):
     assert len(TracePrompt([5, 6], 150, 100)) == 150 and TracePrompt([5, 6], 150, 100)[101] == 601
 
 
-def test_the_scaler_adds_prefill_under_a_burst_and_parks_it_after(profile):
+def test_the_scaler_adds_prefill_under_a_burst_and_parks_it_after():
+    profile = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 100, "latency_s": 0.001}})  # prefill-bound
     burst = synthetic(60, rate=20, input_len=300, output_len=3, seed=1)
     # then one every 5 s: prefill idle for 4.5 s between them, past down_after_s
     quiet = [SimRequest(60 + n, burst[-1].arrival_s + 30 + 5 * n, 300, 3, [5 * 10**8 + n]) for n in range(20)]

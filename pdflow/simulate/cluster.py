@@ -19,9 +19,12 @@ What is modelled, and how:
   layer ``l`` once that layer of it is in: with ``T`` the whole prefix's transfer and ``P`` the
   compute over ``L`` layers, prefill ends at the latest of its start + ``P``, the prefix's first
   layer in + ``P`` and its last layer in + ``P / L``.
-- **The link**: decode holds all of a request's KV (prefix read from the store and new tokens
-  alike) the streamed tail after prefill ends (:func:`pdflow.plan.transfer.transfer`, layer
-  streaming); links are not shared between requests (no contention).
+- **The links**: decode holds all of a request's KV (prefix read from the store and new tokens
+  alike) the streamed tail after prefill ends (:func:`pdflow.plan.transfer.transfer`'s, layer
+  streaming), on a link that is shared: each prefill replica's link and each decode replica's
+  carry one transfer at a time (first come first served), so transfers that the links cannot keep
+  up with queue. (The store's own links, and the prefix's trip from the store to prefill, are
+  not shared.)
 - **Decode** replicas run continuous batching up to ``max_batch``: a request joins at a step
   boundary once its KV is in and emits its first token then (prefill computed it); every step
   emits one token per sequence and costs :meth:`Profile.decode_step_s` at the batch's size and
@@ -40,8 +43,8 @@ What is modelled, and how:
   prefill's queue, decode's batch, TTFT and TBT p90 over ``window_s``); a started replica is ready
   ``replica_start_s`` later; a stopped one drains first.
 
-Not modelled: the control plane's own latency, tokenization and detokenization, KV transfer
-contention, store eviction of blocks in use, failures.
+Not modelled: the control plane's own latency, tokenization and detokenization, contention on the
+stores' links, store eviction of blocks in use, failures.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdflow.plan.transfer import bytes_per_s, transfer
+from pdflow.plan.transfer import bytes_per_s
 from pdflow.routing import ReplicaStatus, Router, RoutingRequest
 from pdflow.simulate.profile import Profile
 from pdflow.simulate.workload import SimRequest, TracePrompt
@@ -139,6 +142,7 @@ class _Prefill(_Replica):
         super().__init__(number, parked)
         self.queue: deque[SimRequest] = deque()
         self.busy = False
+        self.link_free_s = 0.0  # when its link has sent every byte it was given so far
 
 
 class _Seq:
@@ -176,6 +180,7 @@ class _Decode(_Replica):
         self.step_s = 0.0
         self.steps = 0  # planned in this run
         self.version = 0  # a tick of an older plan is ignored
+        self.link_free_s = 0.0  # when its link has taken in every byte sent to it so far
 
 
 class Cluster:
@@ -295,11 +300,25 @@ class Cluster:
         store.expect(request.hash_ids, -1)
         store.touch(request.hash_ids)
         self.store_load[request.route[1]] -= 1
-        total = request.input_len * self.profile.kv_bytes_per_token
-        move = transfer(total, self.profile.layers, self.profile.link_gbit_per_s, seconds, self.profile.link_latency_s)
-        tail = move.streamed_tail_s if self.deploy.kv_streaming == "layer" else move.whole_s
-        self._at(self.now + tail, self._kv_in, request)
+        self._at(self.now + self._kv_tail(replica, self.decodes[request.route[2]], request, seconds), self._kv_in,
+                 request)
         self._next_prefill(replica)
+
+    def _kv_tail(self, prefill: _Prefill, decode: _Decode, request: SimRequest, seconds: float) -> float:
+        """From prefill's end until decode holds all of ``request``'s KV. The bytes go over the
+        prefill replica's link and the decode replica's, one transfer after another on each (a
+        transfer holds both ends): layer-streamed, it may start once the first layer is computed
+        and the links are free, and ends no sooner than the last layer's own send after prefill
+        ends; whole, it starts once prefill ends and the links are free."""
+        layers, latency = self.profile.layers, self.profile.link_latency_s
+        whole = request.input_len * self.profile.kv_bytes_per_token / self._link_rate
+        free = max(prefill.link_free_s, decode.link_free_s)
+        if self.deploy.kv_streaming == "layer":
+            done = max(self.now + whole / layers, max(self.now - seconds + seconds / layers, free) + whole)
+        else:
+            done = max(self.now, free) + whole
+        prefill.link_free_s = decode.link_free_s = done
+        return done + latency - self.now
 
     # --- decode -----------------------------------------------------------------------------
 
