@@ -7,9 +7,7 @@ the one the engine in this process gives from the same kept KV, the store keeps 
 
 from __future__ import annotations
 
-import time
 
-import httpx
 import openai
 import pytest
 
@@ -47,9 +45,6 @@ def _reference(served_model, codec_name: str, ids: list[int], max_tokens: int) -
                          lambda keys, values: compressed(codec(codec_name, **CODECS[codec_name]), keys, values, BLOCK))
 
 
-def _stats(url: str) -> dict:
-    return {name: stage.get("stats", {}) for name, stage in httpx.get(f"{url}/health", timeout=10).json()["stages"].items()}
-
 
 def test_decode_answers_from_what_the_codec_keeps(server, served_model):
     _, tokenizer = served_model
@@ -64,8 +59,7 @@ def test_decode_answers_from_what_the_codec_keeps(server, served_model):
     again = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=20)
     assert again.usage.prompt_tokens_details.cached_tokens >= 4 * BLOCK
     assert again.choices[0].message.content == reply.choices[0].message.content
-    time.sleep(1.5)  # a heartbeat carries the counters
-    stats = _stats(server.url)
+    stats = server.quiet_stats()  # heartbeats carry the counters
     shuttle, decode = stats["kv-shuttle-0"], stats["decode-0"]
     assert decode.get("kv_chunks_undecodable", 0) == 0
     if server.codec == "sink-window":

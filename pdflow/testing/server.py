@@ -278,6 +278,25 @@ class PdflowServer:
         except (httpx.HTTPError, ValueError):
             return None
 
+    def quiet_stats(self, quiet_s: float = 0.75, timeout_s: float = 20) -> dict[str, dict]:
+        """Every stage's stats (``/health``) once none has changed for ``quiet_s``: the counters of
+        work that goes on after an answer is out (a store decoding what it keeps, leases let go)
+        have come in with the heartbeats. Past ``timeout_s``, the latest."""
+        def read() -> dict[str, dict]:
+            body = self.health() or {}
+            return {name: stage.get("stats", {}) for name, stage in body.get("stages", {}).items()}
+
+        deadline, last = time.monotonic() + timeout_s, read()
+        since = time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            now = read()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+        return last
+
     def healthy(self) -> bool:
         body = self.health()
         return bool(body) and body.get("status") == "ok"
