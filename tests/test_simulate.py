@@ -109,7 +109,7 @@ def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
     fast = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 1000, "latency_s": 0}})
     simulate([first, again], fast, Deployment(block_tokens=100))  # 4 us of prefix: compute is the slower
     prefill = 4e-6 / 10 + compute  # (the first layer's wait, then every layer's compute)
-    tail = transfer(600 * 1000, 10, 1000, prefill).streamed_tail_s
+    tail = 100 * 1000 / 125e9 / 10  # prefill sends the 100 tokens it computed: their last layer after it ends
     assert again.first_token_s - 100.0 == pytest.approx(prefill + tail)
     # a prefix that lands while its request waits in prefill's queue costs it nothing more
     second = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 0.004, "latency_s": 0}})  # 1 s of prefix

@@ -21,10 +21,10 @@ What is modelled, and how:
   layer in + ``P`` and its last layer in + ``P / L``.
 - **The links**: decode holds all of a request's KV (prefix read from the store and new tokens
   alike) the streamed tail after prefill ends (:func:`pdflow.plan.transfer.transfer`'s, layer
-  streaming), on a link that is shared: each prefill replica's link and each decode replica's
-  carry one transfer at a time (first come first served), so transfers that the links cannot keep
-  up with queue. (The store's own links, and the prefix's trip from the store to prefill, are
-  not shared.)
+  streaming), on links that are shared: each prefill replica's link carries the KV it computed,
+  each decode replica's all of a request's KV (the store sends the cached prefix), one transfer
+  at a time (first come first served), so transfers that the links cannot keep up with queue.
+  (The stores' own links, and the prefix's trip from the store to prefill, are not shared.)
 - **Decode** replicas run continuous batching up to ``max_batch``: a request joins at a step
   boundary once its KV is in and emits its first token then (prefill computed it); every step
   emits one token per sequence and costs :meth:`Profile.decode_step_s` at the batch's size and
@@ -305,20 +305,24 @@ class Cluster:
         self._next_prefill(replica)
 
     def _kv_tail(self, prefill: _Prefill, decode: _Decode, request: SimRequest, seconds: float) -> float:
-        """From prefill's end until decode holds all of ``request``'s KV. The bytes go over the
-        prefill replica's link and the decode replica's, one transfer after another on each (a
-        transfer holds both ends): layer-streamed, it may start once the first layer is computed
-        and the links are free, and ends no sooner than the last layer's own send after prefill
-        ends; whole, it starts once prefill ends and the links are free."""
-        layers, latency = self.profile.layers, self.profile.link_latency_s
-        whole = request.input_len * self.profile.kv_bytes_per_token / self._link_rate
-        free = max(prefill.link_free_s, decode.link_free_s)
+        """From prefill's end until decode holds all of ``request``'s KV. Prefill's link carries
+        the KV it computed (the new tokens'), decode's link all of it (the store sends the cached
+        prefix); each link one transfer after another. Layer-streamed, prefill's may start once
+        the first layer is computed and its link is free, and ends no sooner than the last
+        layer's own send after prefill ends; whole, it starts once prefill ends. Decode's starts
+        with it (or once decode's link is free) and ends no sooner than it."""
+        layers, rate = self.profile.layers, self._link_rate
+        computed = (request.input_len - request.cached_tokens) * self.profile.kv_bytes_per_token / rate
+        every = request.input_len * self.profile.kv_bytes_per_token / rate
         if self.deploy.kv_streaming == "layer":
-            done = max(self.now + whole / layers, max(self.now - seconds + seconds / layers, free) + whole)
+            start = max(self.now - seconds + seconds / layers, prefill.link_free_s)
+            sent = max(self.now + computed / layers, start + computed)
         else:
-            done = max(self.now, free) + whole
-        prefill.link_free_s = decode.link_free_s = done
-        return done + latency - self.now
+            start = max(self.now, prefill.link_free_s)
+            sent = start + computed
+        received = max(sent, max(start, decode.link_free_s) + every)
+        prefill.link_free_s, decode.link_free_s = sent, received
+        return received + self.profile.link_latency_s - self.now
 
     # --- decode -----------------------------------------------------------------------------
 
