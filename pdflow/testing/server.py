@@ -156,8 +156,8 @@ def replicated_topology(replicas: dict[str, int], tables: str = "", *, min_repli
     for the scaler, ``limits`` over the [limits] defaults, and more ``tables`` (e.g. [router],
     [scaler], [kv]): a function of the first of :func:`replicated_ports` free ports, as
     :class:`PdflowServer` takes it."""
-    settings = {"max_batch": 32, "ready_timeout_s": 300, "heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 10, "request_timeout_s": 120,
-                **(limits or {})}
+    settings = {"max_batch": 32, "ready_timeout_s": 300, "heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 10,
+                "request_timeout_s": 120, **(limits or {})}
 
     def text(base: int) -> str:
         port, stages = base + 4, []
