@@ -83,6 +83,7 @@ def test_a_conversation_pushed_out_of_memory_comes_back_from_disk_with_the_same_
     question = f"Read this and say what it describes in five words.\n\n{HALF}"
     cold, cached, _ = _ask(client, question)
     assert cached == 0
+    _spilled(server)  # its answer written back and its lease let go: nothing pins its blocks in memory
     _fill_memory(client, "Other document")
     before = _spilled(server)
     assert before["spilled_blocks"] >= 15 and before["evictions"] > 0 and before["disk_enabled"] == 1
