@@ -128,12 +128,10 @@ def main() -> int:
     results = []
     parts = opts.parts.split(",")
     slos = ["--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
-    if ("mixed" in parts or "trace" in parts) and not opts.resimulate:
-        server_context = PdflowServer(Path(tempfile.mkdtemp()))
-    else:
-        server_context = contextlib.nullcontext(None)
     if "mixed" in parts or "trace" in parts:
-        with server_context as server:
+        with contextlib.ExitStack() as stack:
+            server = None if opts.resimulate else \
+                stack.enter_context(PdflowServer(Path(stack.enter_context(tempfile.TemporaryDirectory()))))
             if "mixed" in parts:
                 argv = ["--dataset", "random", "--input-len-range", "128:1024", "--output-len-range", "32:64",
                         "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", opts.rates, *slos]

@@ -273,8 +273,7 @@ class Cluster:
     def _enqueue(self, request: SimRequest) -> None:
         replica = self.prefills[request.route[0]]
         if request.cached_tokens:  # the store sends the prefix now; it lands while the request waits
-            request.prefix_in_s = self.now + self.profile.link_latency_s + \
-                request.cached_tokens * self.profile.kv_bytes_per_token / self._link_rate
+            request.prefix_in_s = self.now + self.profile.link_latency_s + self._link_s(request.cached_tokens)
         replica.queue.append(request)
         if not replica.busy:
             self._next_prefill(replica)
@@ -289,7 +288,7 @@ class Cluster:
         seconds = self.profile.prefill_s(new, request.cached_tokens)
         if request.cached_tokens:  # layer l computes once its prefix's layer l is in (as prefill does)
             layers, sent_at = self.profile.layers, request.prefix_in_s - self.now
-            whole = request.cached_tokens * self.profile.kv_bytes_per_token / self._link_rate
+            whole = self._link_s(request.cached_tokens)
             first_in = sent_at - whole + whole / layers  # (sent_at: when the last layer is in, from now)
             seconds = max(seconds, first_in + seconds, sent_at + seconds / layers)
         self._at(self.now + seconds, self._prefilled, replica, request, seconds)
@@ -304,6 +303,10 @@ class Cluster:
                  request)
         self._next_prefill(replica)
 
+    def _link_s(self, tokens: int) -> float:
+        """How long ``tokens`` tokens' KV take on a link (its latency aside)."""
+        return tokens * self.profile.kv_bytes_per_token / self._link_rate
+
     def _kv_tail(self, prefill: _Prefill, decode: _Decode, request: SimRequest, seconds: float) -> float:
         """From prefill's end until decode holds all of ``request``'s KV. Prefill's link carries
         the KV it computed (the new tokens'), decode's link all of it (the store sends the cached
@@ -311,9 +314,8 @@ class Cluster:
         the first layer is computed and its link is free, and ends no sooner than the last
         layer's own send after prefill ends; whole, it starts once prefill ends. Decode's starts
         with it (or once decode's link is free) and ends no sooner than it."""
-        layers, rate = self.profile.layers, self._link_rate
-        computed = (request.input_len - request.cached_tokens) * self.profile.kv_bytes_per_token / rate
-        every = request.input_len * self.profile.kv_bytes_per_token / rate
+        layers = self.profile.layers
+        computed, every = self._link_s(request.input_len - request.cached_tokens), self._link_s(request.input_len)
         if self.deploy.kv_streaming == "layer":
             start = max(self.now - seconds + seconds / layers, prefill.link_free_s)
             sent = max(self.now + computed / layers, start + computed)
