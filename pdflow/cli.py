@@ -239,7 +239,27 @@ def _validate(args) -> int:
     for link in () if topology.colocated else topology.links:
         codec = "" if link.codec == "none" else f", KV encoded {link.make_codec().spec}"
         sys.stdout.write(f"  link {link.src} -> {link.dst}: {link.transport}{codec}\n")
+        for line in _data_paths(topology, link):
+            sys.stdout.write(f"    {line}\n")
     return 0
+
+
+def _data_paths(topology, link) -> list[str]:
+    """How the link's KV meets each end's device memory (nothing to say for host memory)."""
+    from pdflow.transports import load
+    from pdflow.transports.staging import data_path
+
+    try:
+        kinds = load(link.transport).memory_kinds()
+    except (LookupError, ImportError):
+        return []  # validation said so already
+    lines = []
+    for stage, direction in ((link.src, "send"), (link.dst, "receive")):
+        device = topology.stages[stage].device
+        if device != "cpu" and stage != "kv_shuttle":  # the store's blocks are in host memory
+            lines.append(f"{topology.stages[stage].display_name} on {device}: "
+                         f"{data_path(device, kinds, direction, link.transport).description}")
+    return lines
 
 
 def _run(args) -> int:

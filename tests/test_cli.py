@@ -94,6 +94,24 @@ def test_validate_the_default_topology() -> None:
         assert text in result.stdout, text
 
 
+def test_validate_says_how_kv_in_device_memory_meets_each_link(tmp_path: Path) -> None:
+    """Prefill and decode on a GPU, every link over tcp (host memory only): each side is staged,
+    and validate says how; on the CPU there is nothing to say."""
+    text = DEFAULT.read_text().replace('device = "cpu"', 'device = "cuda:0"').replace("cores = [1]", "cores = []")
+    (tmp_path / "gpu.toml").write_text(text.replace("cores = [0]", "cores = []"))
+    result = pdflow("validate", str(tmp_path / "gpu.toml"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    at = lines.index("  link prefill -> kv_shuttle: tcp")
+    assert lines[at + 1].startswith("    prefill on cuda:0: staged: copied to host through a bounded pool of pinned")
+    assert lines[at + 2].startswith("  link")  # kv-shuttle's store is in host memory: nothing staged there
+    at = lines.index("  link kv_shuttle -> decode: tcp")
+    assert lines[at + 1] == ("    decode on cuda:0: staged: landed in host memory by tcp, then copied to cuda:0 on "
+                             "the engine's thread (the event loop does not wait)")
+    if (os.cpu_count() or 1) >= 2:
+        assert "staged" not in pdflow("validate", str(DEFAULT)).stdout
+
+
 def test_validate_a_relative_path(tmp_path: Path) -> None:
     (tmp_path / "small.toml").write_text("[server]\nport = 8123\n")
     result = pdflow("validate", "small.toml", cwd=tmp_path)

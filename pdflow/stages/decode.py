@@ -50,6 +50,7 @@ from pdflow.messages import (
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.stages.engine_thread import engine_thread, run_in
 from pdflow.stages.step_counts import CountsDecodeSteps
+from pdflow.transports.staging import Stager
 
 _ANSWER_WAIT_S = 30.0  # how long a finished request waits for kv-shuttle's KvReturnSlots
 _LATE_WRITES_S = 3.0  # pool slots of a request that ended before all its KV landed wait this long
@@ -98,6 +99,7 @@ class DecodeStage(CountsDecodeSteps, Stage):
         self.from_shuttle = self.kv_receiver("destination")
         await self.from_shuttle.start()
         self.to_shuttle = self.kv_sender("destination")
+        self.stager = Stager()  # answers' KV from device memory: copied off the loop (host memory: as it is)
         self.block_tokens = topo.kv.block_tokens if topo.kv.prefix_cache else 0
         shuttle = self.output("destination")
         # how KV reaches decode: a codec that drops heads or tokens changes what decode attends with
@@ -167,6 +169,7 @@ class DecodeStage(CountsDecodeSteps, Stage):
         await self.from_shuttle.aclose()
         await self.to_shuttle.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.stager.close()
 
     def handlers(self):
         return {
@@ -507,11 +510,12 @@ class DecodeStage(CountsDecodeSteps, Stage):
                 count = len(message.slots) * self.block_tokens
                 first = message.first_token - start
                 for layer in range(self.model.layout.num_layers):
-                    k = keys[layer][first : first + count].cpu()
-                    v = values[layer][first : first + count].cpu()
-                    for header, data in into_slots(rid, arena, message.region, layer, k, v, message.slots,
-                                                   message.first_token):
-                        await self.to_shuttle.write(message.address, header, data)
+                    k, v = keys[layer][first : first + count], values[layer][first : first + count]
+                    # from device memory through a staging buffer, copied off the event loop
+                    async with self.stager.to_host([k, v]) as (k, v):
+                        for header, data in into_slots(rid, arena, message.region, layer, k, v, message.slots,
+                                                       message.first_token):
+                            await self.to_shuttle.write(message.address, header, data)
         except (transports.TransportError, asyncio.TimeoutError) as exc:
             self.log.warning("answer.not_stored", request_id=rid, error=repr(exc))
             self.spawn(self.send_output("destination", entry.request.route, KvReleased(rid)))  # do not wait for it

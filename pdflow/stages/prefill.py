@@ -35,6 +35,7 @@ from pdflow.kv.layout import KEYS, VALUES, torch_dtype
 from pdflow.messages import KvPlan, PlanWanted, PrefillDone, PrefillRequest, PrefixDestination, Tokens
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.stages.engine_thread import engine_thread, run_in
+from pdflow.transports.staging import Stager
 
 
 class PrefixUnavailable(RuntimeError):
@@ -99,6 +100,9 @@ class PrefillStage(Stage):
         self.model = await run_in(self.executor, load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
                                   topo.model.weights)
         self.to_shuttle = self.kv_sender("kv")
+        # KV computed in device memory goes to the store's host arena through pinned buffers,
+        # copied on a stream and a thread of their own (the loop and the forward never wait)
+        self.stager = Stager() if torch.device(self.model.device).type != "cpu" else None
         # KV computed in the store's blocks needs the compact engine's forward on the CPU
         self.store_codec = topo.kv.store_codec()  # the store keeps blocks encoded: no computing into them
         self.in_place = topo.kv.zero_copy and self.store_codec is None and \
@@ -119,13 +123,17 @@ class PrefillStage(Stage):
         await self.to_shuttle.aclose()
         await self.from_shuttle.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.stager is not None:
+            self.stager.close()
 
     def handlers(self):
         return {PrefillRequest: self.on_request, KvPlan: self.on_plan}
 
     def stats(self) -> dict[str, int]:
+        staged = {} if self.stager is None else {"staged_bytes": self.stager.copied_bytes,
+                                                  "staging_waits": self.stager.pool.waits}
         return {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.to_shuttle, self.from_shuttle),
-                **self.sent_stats(kv=self.to_shuttle)}
+                **self.sent_stats(kv=self.to_shuttle), **staged}
 
     def on_request(self, message: PrefillRequest) -> None:
         job = _Job(message, asyncio.get_running_loop().create_future())
@@ -317,7 +325,8 @@ class PrefillStage(Stage):
         layers: asyncio.Queue = asyncio.Queue()
 
         def sink(layer, keys, values) -> None:  # on the forward thread
-            loop.call_soon_threadsafe(layers.put_nowait, (layer, keys, values))
+            ready = torch.cuda.current_stream(keys.device).record_event() if keys.is_cuda else None
+            loop.call_soon_threadsafe(layers.put_nowait, (layer, keys, values, ready))
 
         computed = asyncio.Event()
         sender = asyncio.ensure_future(self._send_layers(job, plan, layers, computed, arena))
@@ -365,18 +374,23 @@ class PrefillStage(Stage):
                 await computed.wait()
             job.send_start = time.monotonic()
             for _ in range(layout.num_layers):
-                layer, keys, values = await layers.get()
+                layer, keys, values, ready = await layers.get()
                 if job.cancelled:
                     return None
                 if in_arena is not None:  # from where they are: the writes copy nothing
                     chunks = between_slots(rid, arena, in_arena.memory, layer, (KEYS, VALUES), plan.slots,
                                            plan.cached_tokens, n, arena, table, plan.region)
-                else:
-                    if keys.device.type != "cpu":
-                        keys, values = keys.cpu(), values.cpu()
-                    chunks = into_slots(rid, arena, plan.region, layer, keys, values, plan.slots, plan.cached_tokens)
-                for header, data in chunks:
-                    await self.to_shuttle.write(plan.address, header, data)
+                    for header, data in chunks:
+                        await self.to_shuttle.write(plan.address, header, data)
+                elif self.stager is None:
+                    for header, data in into_slots(rid, arena, plan.region, layer, keys, values, plan.slots,
+                                                   plan.cached_tokens):
+                        await self.to_shuttle.write(plan.address, header, data)
+                else:  # from device memory: through a staging buffer, held until the writes are done
+                    async with self.stager.to_host([keys.contiguous(), values.contiguous()], ready) as staged:
+                        for header, data in into_slots(rid, arena, plan.region, layer, *staged, plan.slots,
+                                                       plan.cached_tokens):
+                            await self.to_shuttle.write(plan.address, header, data)
                 sent.append(time.monotonic())
             return sent
         except asyncio.CancelledError:

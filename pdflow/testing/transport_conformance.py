@@ -519,8 +519,48 @@ async def check_advertised_address(h: Harness) -> None:
         assert buffer[GUARD : GUARD + 100] == data
 
 
+async def check_memory_kinds(h: Harness) -> None:
+    """Every pair of memory kinds the transport declares (:meth:`Transport.memory_kinds`) moves a
+    chunk intact, from a tensor in the source kind into a region it allocated in the landing kind;
+    a kind it does not land in is refused by ``allocate`` and one it does not send from by
+    ``write``, with ValueErrors. Device pairs need a CUDA device (skipped without one)."""
+    import torch
+
+    from pdflow.transports.memory import DEVICE, HOST, cuda_missing
+
+    async with h.make() as receiver, h.make() as sender:
+        kinds, skipped = sender.memory_kinds(), []
+        for region, (source, landing) in enumerate(kinds.pairs()):
+            if DEVICE in (source, landing) and (why := cuda_missing()) is not None:
+                skipped.append(f"{source}->{landing}")
+                continue
+            memory = HOST if landing == HOST else "cuda:0"
+            span = receiver.allocate(region, 3 * 4096 + 8, memory)
+            data = torch.frombuffer(bytearray(_rng.randbytes(3 * 4096)), dtype=torch.uint8)
+            chunk = header(region, 8, data)  # the checksum of the bytes, hashed where they are host memory
+            if source == DEVICE:
+                data = data.to("cuda:0")
+            await _wait(sender.write(receiver.address_for(region), chunk, data))
+            await _notice_ok(receiver, chunk)
+            landed = span if landing == HOST else span.cpu().numpy()
+            assert bytes(landed[8 : 8 + 3 * 4096]) == bytes(data.cpu().numpy()), f"{source}->{landing} landed wrong"
+        if DEVICE not in kinds.lands:
+            await _expect(ValueError, _async(receiver.allocate, 99, 64, "cuda:0"))
+        if DEVICE not in kinds.reads:  # a tensor in device memory (a meta tensor has none: no GPU needed)
+            receiver.register(98, bytearray(64))
+            away = torch.empty(64, dtype=torch.uint8, device="meta")
+            await _expect(ValueError, sender.write(receiver.address, header(98, 0, bytes(64)), away))
+        if skipped:
+            raise Unsupported(f"{', '.join(skipped)} need a CUDA device: {why}")
+
+
+async def _async(function: Callable[..., Any], *args: Any) -> Any:
+    return function(*args)
+
+
 CHECKS = (
     check_sizes,
+    check_memory_kinds,
     check_advertised_address,
     check_buffers,
     check_many_in_flight,

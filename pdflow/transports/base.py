@@ -33,6 +33,7 @@ import structlog
 from pdflow.messages import KvChunkHeader
 from pdflow.transports.errors import ChunkNotice, PeerDisconnected, TransportClosed, TransportError
 from pdflow.transports.links import Link, Route
+from pdflow.transports.memory import HOST, HOST_ONLY, MemoryKinds, kind_of, memory_of
 from pdflow.transports.regions import Regions, byte_view
 
 log = structlog.get_logger()
@@ -118,18 +119,35 @@ class Transport(ABC):
         """
         self._regions.add(region, buffer)
 
-    def allocate(self, region: int, nbytes: int) -> memoryview:
+    @classmethod
+    def memory_kinds(cls) -> MemoryKinds:
+        """The kinds of memory (:mod:`~pdflow.transports.memory`) this transport sends from and
+        lands in. The default, and every transport that does not say otherwise: host memory
+        only. A stage whose KV is elsewhere stages it (:mod:`~pdflow.transports.staging`)."""
+        return HOST_ONLY
+
+    def allocate(self, region: int, nbytes: int, memory: str = HOST) -> Any:
         """Allocate ``nbytes`` of memory this transport can receive into, register it as
-        ``region`` and return a writable view of it (valid until :meth:`unregister`).
+        ``region`` and return it (valid until :meth:`unregister`): a writable memoryview for host
+        memory; for device memory (``memory="cuda:0"``, where :meth:`memory_kinds` lands in
+        device memory) a flat ``uint8`` tensor on that device.
 
         This is how stages get receive buffers: a transport whose peers write into shared or
         pinned memory (shm, RDMA) allocates it there, so KV lands where the stage reads it.
         The default is plain process memory (a large buffer is mapped lazily, so a store's arena
-        costs only the pages that fill).
+        costs only the pages that fill). ValueError for a kind of memory it cannot land in.
         """
+        self._check_lands(memory)
         buffer = memoryview(mmap.mmap(-1, nbytes)) if nbytes >= _LAZY_BYTES else memoryview(bytearray(nbytes))
         self.register(region, buffer)
         return buffer
+
+    def _check_lands(self, memory: str) -> None:
+        """ValueError unless this transport can land chunks in ``memory``."""
+        if kind_of(memory) not in self.memory_kinds().lands:
+            raise ValueError(f"the {self.name} transport cannot land chunks in {memory} memory: it "
+                             f"{self.memory_kinds().describe()}; allocate host memory and copy "
+                             "(pdflow.transports.staging)")
 
     def region_memory(self, region: int) -> memoryview | None:
         """The bytes of registered region ``region`` (where chunks for it land), or None."""
@@ -287,6 +305,9 @@ class Transport(ABC):
         """``data``'s bytes for a write of ``header`` (TransportClosed once closed; ValueError if
         unsuitable or not ``header.nbytes`` long)."""
         self._check_open()
+        if (memory := memory_of(data)) != HOST and kind_of(memory) not in self.memory_kinds().reads:
+            raise ValueError(f"data is in {memory} memory; the {self.name} transport "
+                             f"{self.memory_kinds().describe()}: stage it (pdflow.transports.staging)")
         payload = byte_view(data)
         if payload.nbytes != header.nbytes:
             raise ValueError(f"data has {payload.nbytes} bytes, header.nbytes is {header.nbytes}")

@@ -54,8 +54,11 @@ class DelegatingTransport(Transport):
     def register(self, region: int, buffer: Any) -> None:
         self.inner.register(region, buffer)
 
-    def allocate(self, region: int, nbytes: int) -> memoryview:
-        return self.inner.allocate(region, nbytes)
+    def memory_kinds(self):
+        return self.inner.memory_kinds()
+
+    def allocate(self, region: int, nbytes: int, memory: str = "host") -> Any:
+        return self.inner.allocate(region, nbytes, memory)
 
     def address_for(self, region: int) -> str:
         return self.inner.address_for(region)

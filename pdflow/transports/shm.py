@@ -80,8 +80,9 @@ class ShmTransport(Transport):
 
     # --- regions ---------------------------------------------------------------------------
 
-    def allocate(self, region: int, nbytes: int) -> memoryview:
+    def allocate(self, region: int, nbytes: int, memory: str = "host") -> memoryview:
         """A region in shared memory that senders map and write into directly (one copy)."""
+        self._check_lands(memory)
         if region in self._regions:
             raise ValueError(f"region {region} is already registered")
         if nbytes <= 0:
