@@ -325,7 +325,10 @@ class PrefillStage(Stage):
         layers: asyncio.Queue = asyncio.Queue()
 
         def sink(layer, keys, values) -> None:  # on the forward thread
-            ready = torch.cuda.current_stream(keys.device).record_event() if keys.is_cuda else None
+            ready = None
+            if keys.is_cuda:  # the staging copy starts once the layer (and this gather) is computed
+                keys, values = keys.contiguous(), values.contiguous()
+                ready = torch.cuda.current_stream(keys.device).record_event()
             loop.call_soon_threadsafe(layers.put_nowait, (layer, keys, values, ready))
 
         computed = asyncio.Event()
@@ -387,7 +390,7 @@ class PrefillStage(Stage):
                                                    plan.cached_tokens):
                         await self.to_shuttle.write(plan.address, header, data)
                 else:  # from device memory: through a staging buffer, held until the writes are done
-                    async with self.stager.to_host([keys.contiguous(), values.contiguous()], ready) as staged:
+                    async with self.stager.to_host([keys, values], ready) as staged:
                         for header, data in into_slots(rid, arena, plan.region, layer, *staged, plan.slots,
                                                        plan.cached_tokens):
                             await self.to_shuttle.write(plan.address, header, data)

@@ -57,7 +57,9 @@ class StagingPool:
 
     ``pinned``: page-locked memory (default: where CUDA is available). Buffers come back to the
     pool when their lease ends and are reused by size; a request larger than the capacity is a
-    ValueError (it could never be served), others wait until enough is free.
+    ValueError (it could never be served), others wait until enough is free. A lease that fits
+    beside those held is served at once, even while a larger one waits. A size's first buffer is
+    allocated on the caller's thread (pinning is a system call: once per size, then reused).
     """
 
     def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY, pinned: bool | None = None) -> None:
