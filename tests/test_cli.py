@@ -106,8 +106,8 @@ def test_validate_says_how_kv_in_device_memory_meets_each_link(tmp_path: Path) -
     assert lines[at + 1].startswith("    prefill on cuda:0: staged: copied to host through a bounded pool of pinned")
     assert lines[at + 2].startswith("  link")  # kv-shuttle's store is in host memory: nothing staged there
     at = lines.index("  link kv_shuttle -> decode: tcp")
-    assert lines[at + 1] == ("    decode on cuda:0: staged: landed in host memory by tcp, then copied to cuda:0 on "
-                             "the engine's thread (the event loop does not wait)")
+    assert lines[at + 1] == ("    decode on cuda:0: staged: landed in host memory by tcp, then copied to cuda:0 off "
+                             "the event loop")
     if (os.cpu_count() or 1) >= 2:
         assert "staged" not in pdflow("validate", str(DEFAULT)).stdout
 

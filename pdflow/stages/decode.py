@@ -349,7 +349,25 @@ class DecodeStage(CountsDecodeSteps, Stage):
             if self.pool is not None:
                 self._give_back(entry)
             self._end(entry)
+        elif entry.buffer is not None and entry.buffer.device != torch.device(self.model.device):
+            self.spawn(self._to_device(entry))
         else:
+            self.waiting.append(entry)
+            self.wake.set()
+
+    async def _to_device(self, entry: _Incoming) -> None:
+        """On a GPU: the request's KV copied from its receive buffer into device memory by the
+        stager (its thread, its CUDA stream) before it joins, so the step thread never waits for it."""
+        rid = entry.request.request_id
+        host = entry.buffer
+        try:
+            device = torch.empty(host.shape, dtype=host.dtype, device=self.model.device)
+            await self.stager.to_device([(device, host)])
+        except Exception as exc:  # device memory ran out, or the device failed
+            await self.fail(rid, f"copying the KV into device memory failed: {exc!r}", entry.request.route)
+            return
+        if self.requests.get(rid) is entry:  # (not cancelled meanwhile)
+            entry.buffer = device
             self.waiting.append(entry)
             self.wake.set()
 

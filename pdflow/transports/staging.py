@@ -48,8 +48,8 @@ def data_path(memory: str, kinds: MemoryKinds, direction: str, transport: str = 
     if direction == "send":
         return DataPath(False, f"staged: copied to host through a bounded pool of pinned buffers (on a CUDA "
                                f"stream and a thread of their own), then sent by {transport}")
-    return DataPath(False, f"staged: landed in host memory by {transport}, then copied to {memory} on the "
-                           "engine's thread (the event loop does not wait)")
+    return DataPath(False, f"staged: landed in host memory by {transport}, then copied to {memory} off "
+                           "the event loop")
 
 
 class StagingPool:
