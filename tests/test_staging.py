@@ -60,42 +60,65 @@ def test_host_only_transports_refuse_device_memory_naming_what_they_move(name: s
 
 
 async def test_a_pool_never_holds_more_than_its_capacity_and_makes_the_next_lease_wait() -> None:
-    pool = StagingPool(1000, pinned=False)
-    with pytest.raises(ValueError, match="1001 bytes to stage at once, more than the pool's 1000"):
-        async with pool.lease(1001):
+    mib = 1 << 20
+    pool = StagingPool(4 * mib, pinned=False)
+    with pytest.raises(ValueError, match=f"{4 * mib + 1} bytes to stage at once, more than the pool's {4 * mib}"):
+        async with pool.lease(4 * mib + 1):
             pass
     order = []
 
-    async def hold(name: str, nbytes: int, seconds: float) -> int:
+    async def hold(name: str, nbytes: int, seconds: float) -> None:
         async with pool.lease(nbytes) as buffer:
             order.append(f"{name} in")
             assert buffer.numel() == nbytes and buffer.dtype == torch.uint8
             assert pool.in_use_bytes <= pool.capacity_bytes
             await asyncio.sleep(seconds)
             order.append(f"{name} out")
-            return buffer.data_ptr()
 
-    first = asyncio.create_task(hold("a", 600, 0.05))
+    first = asyncio.create_task(hold("a", 3 * mib // 2, 0.05))  # a 2 MiB buffer
     await asyncio.sleep(0)
-    second = asyncio.create_task(hold("b", 600, 0))
-    third = asyncio.create_task(hold("c", 300, 0))  # fits beside a: does not queue behind b
-    a, b, _ = await asyncio.gather(first, second, third)
+    second = asyncio.create_task(hold("b", 3 * mib, 0))  # 4 MiB: waits for a
+    third = asyncio.create_task(hold("c", 5 * mib // 4, 0))  # 2 MiB: fits beside a, does not queue behind b
+    await asyncio.gather(first, second, third)
     assert order.index("c in") < order.index("a out") < order.index("b in")
-    assert pool.waits == 1 and pool.peak_bytes == 900 and pool.in_use_bytes == 0
-    assert a == b  # a's buffer came back to the pool and served b
+    assert pool.waits == 1 and pool.peak_bytes == 4 * mib and pool.in_use_bytes == 0
 
 
-async def test_a_lease_cancelled_while_waiting_leaves_the_pool_as_it_was() -> None:
-    pool = StagingPool(100, pinned=False)
-    async with pool.lease(80):
-        waiting = asyncio.create_task(pool.lease(80).__aenter__())
+async def test_leases_of_different_lengths_reuse_one_buffer() -> None:
+    pool = StagingPool(64 << 20, pinned=False)
+    assert [pool.size_for(n) for n in (0, 1, 65536, 65537, 3 << 20, 100 << 20)] == \
+        [65536, 65536, 65536, 131072, 4 << 20, 64 << 20]
+    pointers = []
+    for nbytes in (3 << 20, (3 << 20) + 12345, 4 << 20):  # one layer's KV, prompts of different lengths
+        async with pool.lease(nbytes) as buffer:
+            assert buffer.numel() == nbytes
+            pointers.append(buffer.data_ptr())
+    assert len(set(pointers)) == 1 and pool.peak_bytes == 4 << 20
+
+
+async def test_a_lease_cancelled_while_waiting_or_holding_leaves_the_pool_as_it_was() -> None:
+    pool = StagingPool(1 << 20, pinned=False)
+    async with pool.lease(800 << 10):  # a 1 MiB buffer: the whole pool
+        waiting = asyncio.create_task(pool.lease(100).__aenter__())
         await asyncio.sleep(0.01)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
     assert pool.in_use_bytes == 0
-    async with pool.lease(100) as buffer:  # the kept 80-byte buffer is dropped to make room
-        assert buffer.numel() == 100 and pool.in_use_bytes == 100
+
+    async def hold() -> None:
+        async with pool.lease(1 << 20):
+            await asyncio.sleep(10)
+
+    holder = asyncio.create_task(hold())
+    await asyncio.sleep(0.01)
+    assert pool.in_use_bytes == 1 << 20
+    holder.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await holder
+    assert pool.in_use_bytes == 0
+    async with pool.lease(100) as buffer:  # the kept 1 MiB buffer is dropped to make room
+        assert buffer.numel() == 100 and pool.in_use_bytes == 64 << 10
 
 
 async def test_host_tensors_are_not_staged() -> None:
@@ -148,7 +171,7 @@ async def test_device_bytes_reach_pinned_host_memory_after_the_producer_and_come
         back_k, back_v = torch.empty_like(keys), torch.empty_like(values)
         await stager.to_device([(back_k, k), (back_v, v)])
     assert torch.equal(back_k, keys) and torch.equal(back_v, values)
-    assert stager.pool.in_use_bytes == 0 and stager.pool.peak_bytes == keys.nbytes + values.nbytes
+    assert stager.pool.in_use_bytes == 0 and stager.pool.peak_bytes == stager.pool.size_for(keys.nbytes + values.nbytes)
     stager.close()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from pdflow.transports.memory import HOST, MemoryKinds, kind_of, memory_of
 
 DEFAULT_CAPACITY = 64 << 20  # bytes of host buffers a stage may hold for staging at once
+_MIN_BUFFER = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,13 @@ def data_path(memory: str, kinds: MemoryKinds, direction: str, transport: str = 
 class StagingPool:
     """Host buffers for staging, at most ``capacity_bytes`` of them in use or kept at once.
 
-    ``pinned``: page-locked memory (default: where CUDA is available). Buffers come back to the
-    pool when their lease ends and are reused by size; a request larger than the capacity is a
-    ValueError (it could never be served), others wait until enough is free. A lease that fits
-    beside those held is served at once, even while a larger one waits. A size's first buffer is
-    allocated on the caller's thread (pinning is a system call: once per size, then reused).
+    ``pinned``: page-locked memory (default: where CUDA is available). A lease gets the first
+    bytes of a buffer whose size is the next power of two (from 64 KiB, at most the capacity), so
+    that layers of prompts of any length reuse the same few buffers: they come back to the pool
+    when their lease ends. A request larger than the capacity is a ValueError (it could never be
+    served); others wait until enough is free, and one that fits beside those held is served at
+    once, even while a larger one waits. A size's first buffer is allocated on the caller's thread
+    (pinning is a system call: once per size, then reused).
     """
 
     def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY, pinned: bool | None = None) -> None:
@@ -69,17 +72,16 @@ class StagingPool:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
-        self.in_use_bytes = 0
+        self.in_use_bytes = 0  # of the buffers leased (their whole size)
         self.peak_bytes = 0
         self.waits = 0  # leases that had to wait for a buffer to come back
         self._free: dict[int, list[Any]] = {}  # kept buffers by size
         self._kept_bytes = 0
-        self._changed: asyncio.Condition | None = None
+        self._returned: asyncio.Event | None = None
 
-    def _condition(self) -> asyncio.Condition:
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        return self._changed
+    def size_for(self, nbytes: int) -> int:
+        """The size of the buffer a lease of ``nbytes`` takes."""
+        return min(self.capacity_bytes, max(_MIN_BUFFER, 1 << max(nbytes - 1, 0).bit_length()))
 
     @contextlib.asynccontextmanager
     async def lease(self, nbytes: int) -> AsyncIterator[Any]:
@@ -88,34 +90,37 @@ class StagingPool:
 
         if nbytes > self.capacity_bytes:
             raise ValueError(f"{nbytes} bytes to stage at once, more than the pool's {self.capacity_bytes}")
-        changed = self._condition()
-        async with changed:
-            if self.in_use_bytes + nbytes > self.capacity_bytes:
-                self.waits += 1
-                await changed.wait_for(lambda: self.in_use_bytes + nbytes <= self.capacity_bytes)
-            buffer = self._take(nbytes, torch)
-            self.in_use_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        size = self.size_for(nbytes)
+        if self.in_use_bytes + size > self.capacity_bytes:
+            self.waits += 1
+            if self._returned is None:
+                self._returned = asyncio.Event()
+            while self.in_use_bytes + size > self.capacity_bytes:
+                self._returned.clear()
+                await self._returned.wait()
+        buffer = self._take(size, torch)
+        self.in_use_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
         try:
-            yield buffer
-        finally:
-            async with changed:
-                self.in_use_bytes -= nbytes
-                self._free.setdefault(nbytes, []).append(buffer)
-                self._kept_bytes += nbytes
-                changed.notify_all()
+            yield buffer[:nbytes]
+        finally:  # (no await here: a cancelled holder gives its buffer back all the same)
+            self.in_use_bytes -= size
+            self._free.setdefault(size, []).append(buffer)
+            self._kept_bytes += size
+            if self._returned is not None:
+                self._returned.set()
 
-    def _take(self, nbytes: int, torch: Any) -> Any:
-        kept = self._free.get(nbytes)
+    def _take(self, size: int, torch: Any) -> Any:
+        kept = self._free.get(size)
         if kept:
-            self._kept_bytes -= nbytes
+            self._kept_bytes -= size
             return kept.pop()
         # Drop kept buffers of other sizes until the new one fits beside those in use.
-        for size in sorted(self._free, reverse=True):
-            while self._free[size] and self.in_use_bytes + self._kept_bytes + nbytes > self.capacity_bytes:
-                self._free[size].pop()
-                self._kept_bytes -= size
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        for other in sorted(self._free, reverse=True):
+            while self._free[other] and self.in_use_bytes + self._kept_bytes + size > self.capacity_bytes:
+                self._free[other].pop()
+                self._kept_bytes -= other
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
 
 
 class Stager:
