@@ -256,7 +256,7 @@ def _data_paths(topology, link) -> list[str]:
     lines = []
     for stage, direction in ((link.src, "send"), (link.dst, "receive")):
         device = topology.stages[stage].device
-        if device != "cpu" and stage != "kv_shuttle":  # the store's blocks are in host memory
+        if device != "cpu":  # (only prefill and decode take one: the store's blocks are in host memory)
             lines.append(f"{topology.stages[stage].display_name} on {device}: "
                          f"{data_path(device, kinds, direction, link.transport).description}")
     return lines

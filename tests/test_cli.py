@@ -97,8 +97,8 @@ def test_validate_the_default_topology() -> None:
 def test_validate_says_how_kv_in_device_memory_meets_each_link(tmp_path: Path) -> None:
     """Prefill and decode on a GPU, every link over tcp (host memory only): each side is staged,
     and validate says how; on the CPU there is nothing to say."""
-    text = DEFAULT.read_text().replace('device = "cpu"', 'device = "cuda:0"').replace("cores = [1]", "cores = []")
-    (tmp_path / "gpu.toml").write_text(text.replace("cores = [0]", "cores = []"))
+    text = DEFAULT.read_text().replace('cores = [0]\ndevice = "cpu"', 'cores = []\ndevice = "cuda:0"')
+    (tmp_path / "gpu.toml").write_text(text.replace('cores = [1]\ndevice = "cpu"', 'cores = []\ndevice = "cuda:0"'))
     result = pdflow("validate", str(tmp_path / "gpu.toml"))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

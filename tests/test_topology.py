@@ -182,6 +182,8 @@ BAD_FILES = [
      "model.weights", 2, "unknown weight format 'int3'; known: fp32, bf16, int8, int4"),
     ("bad device", ["[stages.decode]", 'device = "gpu"'],
      "stages.decode.device", 2, 'expected "cpu", "cuda" or "cuda:N", got string "gpu"'),
+    ("device on a stage without the model", ["[stages.kv_shuttle]", 'device = "cuda"'], "stages.kv_shuttle.device",
+     2, "only prefill, decode, worker run the model; kv_shuttle keeps what it holds in host memory: remove device"),
     ("missing model path", ["[model]", "dtype = 'float32'", 'source = "./no-such-model"'],
      "model.source", 3, "no-such-model does not exist"),
     ("unknown model name", ["[model]", 'source = "zzz"'], "model.source", 2, "unknown model 'zzz'"),

@@ -54,6 +54,7 @@ from pdflow.config.toml_reader import TableReader, TopologyError, describe, synt
 
 __all__ = ["STAGE_NAMES", "DTYPES", "Limits", "Pipeline", "TopologyError", "load_topology", "parse_topology"]
 
+_MODEL_STAGES = ("prefill", "decode", "worker")  # the built-in stages that take a device
 _STAGE_KEYS = ("kind", "replicas", "min_replicas", "on", "host", "port", "data_port", "cores", "device", "outputs", "options")
 _HOST_NAME = re.compile(r"[A-Za-z0-9_-]+")
 _WILDCARD_ADDRESSES = ("0.0.0.0", "::", "*", "[::]")
@@ -366,6 +367,10 @@ def _stage(r: TableReader, name: str, t: dict[str, Any], mode: str, place: tuple
     if "data_port" in t and builtin and name not in DEFAULT_DATA_PORTS:
         raise r.error(f"{prefix}.data_port",
                       f"only {', '.join(DEFAULT_DATA_PORTS)} receive KV data; remove data_port from [{prefix}]")
+    device = t.get("device", "cpu")
+    if builtin and isinstance(device, str) and device != "cpu" and name not in _MODEL_STAGES:
+        raise r.error(f"{prefix}.device", f"only {', '.join(_MODEL_STAGES)} run the model; {name} keeps what it "
+                      f"holds in host memory: remove device from [{prefix}]")
     replicas = r.integer(t, prefix, "replicas", 1, ge=1)
     config: dict[str, Any] = {
         "replicas": replicas,
