@@ -36,10 +36,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best(seconds: list[float]) -> float:
-    return min(seconds)
-
-
 def torch_copy_s(size: int, device: str, repeat: int) -> float:
     src = torch.randint(0, 255, (size,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -51,7 +47,7 @@ def torch_copy_s(size: int, device: str, repeat: int) -> float:
         _sync(device)
         times.append(time.perf_counter() - start)
     assert torch.equal(dst, src)
-    return _best(times[1:])
+    return min(times[1:])
 
 
 async def staged_s(size: int, device: str, repeat: int) -> tuple[float, float]:
@@ -76,7 +72,7 @@ async def staged_s(size: int, device: str, repeat: int) -> tuple[float, float]:
         assert torch.equal(back, src)
     finally:
         stager.close()
-    return _best(out[1:]), _best(into[1:])
+    return min(out[1:]), min(into[1:])
 
 
 def main() -> int:

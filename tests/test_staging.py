@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdflow import transports
-from pdflow.transports.memory import DEVICE, HOST, HOST_ONLY, MemoryKinds, kind_of, memory_of, torch_device
+from pdflow.transports.memory import DEVICE, HOST, HOST_ONLY, MemoryKinds, kind_of, memory_of
 from pdflow.transports.staging import Stager, StagingPool, data_path
 
 
@@ -20,7 +20,6 @@ def test_memory_of_names_where_the_bytes_are() -> None:
     assert memory_of(b"x") == memory_of(bytearray(2)) == memory_of(torch.zeros(2)) == HOST
     assert memory_of(torch.empty(2, device="meta")) == "meta"
     assert kind_of("host") == kind_of("cpu") == HOST and kind_of("cuda:1") == kind_of("meta") == DEVICE
-    assert torch_device("host") == "cpu" and torch_device("cuda:0") == "cuda:0"
 
 
 def test_memory_kinds_pairs_and_description() -> None:

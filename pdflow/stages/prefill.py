@@ -102,7 +102,8 @@ class PrefillStage(Stage):
         self.to_shuttle = self.kv_sender("kv")
         # KV computed in device memory goes to the store's host arena through pinned buffers,
         # copied on a stream and a thread of their own (the loop and the forward never wait)
-        self.stager = Stager() if torch.device(self.model.device).type != "cpu" else None
+        self.stager = Stager()
+        self.on_device = torch.device(self.model.device).type != "cpu"
         # KV computed in the store's blocks needs the compact engine's forward on the CPU
         self.store_codec = topo.kv.store_codec()  # the store keeps blocks encoded: no computing into them
         self.in_place = topo.kv.zero_copy and self.store_codec is None and \
@@ -123,15 +124,14 @@ class PrefillStage(Stage):
         await self.to_shuttle.aclose()
         await self.from_shuttle.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        if self.stager is not None:
-            self.stager.close()
+        self.stager.close()
 
     def handlers(self):
         return {PrefillRequest: self.on_request, KvPlan: self.on_plan}
 
     def stats(self) -> dict[str, int]:
-        staged = {} if self.stager is None else {"staged_bytes": self.stager.copied_bytes,
-                                                  "staging_waits": self.stager.pool.waits}
+        staged = {"staged_bytes": self.stager.copied_bytes, "staging_waits": self.stager.pool.waits} \
+            if self.on_device else {}
         return {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.to_shuttle, self.from_shuttle),
                 **self.sent_stats(kv=self.to_shuttle), **staged}
 
@@ -380,20 +380,17 @@ class PrefillStage(Stage):
                 layer, keys, values, ready = await layers.get()
                 if job.cancelled:
                     return None
-                if in_arena is not None:  # from where they are: the writes copy nothing
-                    chunks = between_slots(rid, arena, in_arena.memory, layer, (KEYS, VALUES), plan.slots,
-                                           plan.cached_tokens, n, arena, table, plan.region)
+                # from device memory through a staging buffer, held until the writes are done
+                # (host memory: the tensors as they are)
+                async with self.stager.to_host([keys, values], ready) as (keys, values):
+                    if in_arena is not None:  # from where they are: the writes copy nothing
+                        chunks = between_slots(rid, arena, in_arena.memory, layer, (KEYS, VALUES), plan.slots,
+                                               plan.cached_tokens, n, arena, table, plan.region)
+                    else:
+                        chunks = into_slots(rid, arena, plan.region, layer, keys, values, plan.slots,
+                                            plan.cached_tokens)
                     for header, data in chunks:
                         await self.to_shuttle.write(plan.address, header, data)
-                elif self.stager is None:
-                    for header, data in into_slots(rid, arena, plan.region, layer, keys, values, plan.slots,
-                                                   plan.cached_tokens):
-                        await self.to_shuttle.write(plan.address, header, data)
-                else:  # from device memory: through a staging buffer, held until the writes are done
-                    async with self.stager.to_host([keys, values], ready) as staged:
-                        for header, data in into_slots(rid, arena, plan.region, layer, *staged, plan.slots,
-                                                       plan.cached_tokens):
-                            await self.to_shuttle.write(plan.address, header, data)
                 sent.append(time.monotonic())
             return sent
         except asyncio.CancelledError:

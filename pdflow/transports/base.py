@@ -33,7 +33,7 @@ import structlog
 from pdflow.messages import KvChunkHeader
 from pdflow.transports.errors import ChunkNotice, PeerDisconnected, TransportClosed, TransportError
 from pdflow.transports.links import Link, Route
-from pdflow.transports.memory import HOST, HOST_ONLY, MemoryKinds, kind_of, memory_of
+from pdflow.transports.memory import HOST, HOST_ONLY, MemoryKinds, kind_of
 from pdflow.transports.regions import Regions, byte_view
 
 log = structlog.get_logger()
@@ -305,9 +305,6 @@ class Transport(ABC):
         """``data``'s bytes for a write of ``header`` (TransportClosed once closed; ValueError if
         unsuitable or not ``header.nbytes`` long)."""
         self._check_open()
-        if (memory := memory_of(data)) != HOST and kind_of(memory) not in self.memory_kinds().reads:
-            raise ValueError(f"data is in {memory} memory; the {self.name} transport "
-                             f"{self.memory_kinds().describe()}: stage it (pdflow.transports.staging)")
         payload = byte_view(data)
         if payload.nbytes != header.nbytes:
             raise ValueError(f"data has {payload.nbytes} bytes, header.nbytes is {header.nbytes}")

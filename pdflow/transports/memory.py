@@ -34,11 +34,6 @@ def kind_of(memory: str) -> str:
     return HOST if memory in (HOST, "cpu") else DEVICE
 
 
-def torch_device(memory: str) -> str:
-    """The torch device that holds ``memory``'s tensors (``"cpu"`` for host memory)."""
-    return "cpu" if kind_of(memory) == HOST else memory
-
-
 @dataclass(frozen=True)
 class MemoryKinds:
     """What a transport can move: the kinds of memory it sends from (``reads``) and lands in

@@ -26,7 +26,8 @@ def byte_view(data: Any, *, writable: bool = False) -> memoryview:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(data, torch.Tensor):
         if data.device.type != "cpu":
-            raise ValueError(f"tensor on {data.device}: copy it to host memory first")
+            raise ValueError(f"tensor on {data.device}: a transport that moves host memory only needs it "
+                             "there first (pdflow.transports.staging)")
         if not data.is_contiguous():
             raise ValueError("tensor is not contiguous: call .contiguous() first (that copies)")
         data = data.detach().reshape(-1).view(torch.uint8).numpy()
