@@ -20,6 +20,8 @@ def test_a_small_run_reports_each_format_with_its_floor_and_agreement(model_dir,
     assert int4["weight_bytes"] < fp32["weight_bytes"] / 4
     assert fp32["agreement"] == 1.0 and fp32["identical_answers"] == 3
     assert int4["agreement"] >= 0.9  # SmolLM2's int4 weights are its own (Q4_1) weights
+    assert len(report["compute"]) == 2 and all(c["one"] > 1e8 and c["all"] > 1e8 for c in report["compute"])
     text = engine.table(report)
+    assert "GFLOP/s on 1 thread" in text
     for needed in ("transformers", "fp32", "int4", "eff. BW", "pdflow / transformers", "paged / dense"):
         assert needed in text

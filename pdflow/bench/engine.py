@@ -55,6 +55,32 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
+def compute_rate(threads: int, size: int = 512, calls: int = 20, repeats: int = 3) -> float:
+    """FLOP per second of an fp32 ``size`` x ``size`` matrix product (in cache) on ``threads``
+    threads, best of ``repeats``: the arithmetic the CPU gives, beside what memory gives."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(calls):
+                torch.mm(a, b)
+            best = min(best, time.perf_counter() - started)
+        return calls * 2 * size ** 3 / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def compute_scaling(threads: int) -> dict:
+    """One thread's matrix-product rate and ``threads``' (on a shared VM the vCPUs do not always
+    each get a core: then ``threads`` compute barely faster than one)."""
+    return {"one": compute_rate(1), "all": compute_rate(threads)}
+
+
 def median_time(fn, repeats: int, warmup: int = 2) -> float:
     """Seconds one call of ``fn`` takes: the median of ``repeats`` calls after ``warmup``."""
     for _ in range(warmup):
@@ -228,6 +254,7 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
     report: dict = {"threads": args.threads, "context": args.context, "model": args.model, "formats": {}}
     progress.write("reading memory ...\n")
     report["read_bandwidth"] = read_bandwidth()
+    report["compute"] = [compute_scaling(args.threads)]
     if not args.skip_transformers:
         progress.write("transformers' eager forward ...\n")
         hf_model = load_transformers_model(model_dir)
@@ -259,6 +286,7 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
                 row["identical_answers"] = sum(a == r for a, r in zip(answers, reference))
         report["formats"][name] = row
         del loaded
+    report["compute"].append(compute_scaling(args.threads))
     return report
 
 
@@ -269,6 +297,13 @@ def table(report: dict) -> str:
     batches, prefills = list(first["decode"]), list(first["prefill"])
     lines = [f"memory read bandwidth: {bw / 1e9:.1f} GB/s ({report['threads']} threads); "
              f"decode steps over {report['context']}-token sequences"]
+    if report.get("compute"):
+        rates = "; ".join(f"{c['one'] / 1e9:.0f} GFLOP/s on 1 thread, {c['all'] / 1e9:.0f} on {report['threads']} "
+                          f"({c['all'] / c['one']:.2f}x)" for c in report["compute"])
+        lines.append(f"compute (fp32 512x512 products, before and after the formats): {rates}")
+        if report["threads"] > 1 and min(c["all"] / c["one"] for c in report["compute"]) < 1.5:
+            lines.append("  under 1.5x: the threads did not each have a core for part of the run (a shared VM's vCPUs "
+                         "on one core, or one of them held by the host); step times then say less about the engine")
     head = f"{'engine':<14}{'MB':>6}" + "".join(f"{'step b' + str(b):>11}" for b in batches) \
         + f"{'floor':>9}{'eff. BW':>9}" + "".join(f"{'prefill ' + str(p):>14}" for p in prefills) \
         + f"{'agree':>9}{'same':>6}"

@@ -885,13 +885,6 @@ void pdflow_rope(const float *qkv, int64_t rows, int64_t heads, int64_t kv_heads
     }
 }
 
-/* out[r] = silu(gate_up[r][:inter]) * gate_up[r][inter:] */
-void pdflow_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * 2 * inter, *u = g + inter;
-        for (int64_t i = 0; i < inter; i++) out[r * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
-}
 /* ---- decode attention, read in place from blocks ----
  * One new query token per sequence against that sequence's cached keys and values, which stay
  * where they are: token t of sequence b is row t % block_tokens of slot table[b][t / block_tokens];
@@ -961,6 +954,26 @@ static inline float exp_shifted(float *s, int64_t n, float max) {
 #else
 #define VECTOR_ATTENTION 0
 #endif
+
+/* out[r] = silu(gate_up[r][:inter]) * gate_up[r][inter:]; silu(g) = g * sigmoid(g), sigmoid from
+ * e = exp(-|g|) (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below */
+void pdflow_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        int64_t i = 0;
+#if VECTOR_ATTENTION
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));  /* exp(-|x|) */
+            const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, negative), _mm256_add_ps(one, e));
+            _mm256_storeu_ps(out + r * inter + i, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; i++) out[r * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
 
 static inline float dot_any(const float *a, const float *b, int64_t n) {
 #if VECTOR_ATTENTION
