@@ -104,6 +104,28 @@ def test_silu_gated_product_matches_pytorch_over_the_whole_float_range():
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
 
 
+def test_greedy_argmax_is_torch_argmax_on_ties_nans_infinities_and_tails():
+    """The kernel's argmax (what greedy decoding picks) gives torch.argmax's index on every row:
+    the first of equal maxima, the first NaN where there is one, all -inf, and widths that leave a
+    tail past the vector loop."""
+    if kernels.library() is None:
+        pytest.skip(kernels.unavailable_reason())
+    torch.manual_seed(11)
+    for width in (1, 7, 8, 9, 17, 49152, 49153):
+        x = torch.randn(6, width)
+        x[1, width // 2] = x[1].max() + 1
+        x[1, -1] = x[1, width // 2]  # a tie: the first one wins
+        x[2, -1] = float("nan")
+        x[2, width // 3] = float("nan")
+        x[3] = float("-inf")
+        x[4, -1] = float("inf")
+        x[5] = 0.0
+        x[5, -1] = -0.0
+        assert kernels.argmax_rows(x) == torch.argmax(x, dim=-1).tolist(), width
+    wide = torch.randn(3, 100, dtype=torch.float64)  # not the kernel's dtype: torch.argmax
+    assert kernels.argmax_rows(wide) == torch.argmax(wide, dim=-1).tolist()
+
+
 def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):
     """On a CPU without AVX2 the same file compiles to plain C loops: built here with AVX2 turned
     off, every product gives the vectorized build's results (up to float order)."""

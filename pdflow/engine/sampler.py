@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pdflow.engine import kernels
 from pdflow.messages import SamplingParams
 
 GREEDY_BELOW = 1e-5  # as vLLM: a temperature under this picks the argmax
@@ -70,5 +71,5 @@ class Sampler:
 
 def sample_batch(logits: torch.Tensor, samplers: list[Sampler]) -> list[int]:
     """One token per row; greedy rows share one argmax."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
+    greedy = kernels.argmax_rows(logits)
     return [g if s.greedy else s.sample(logits[i]) for i, (g, s) in enumerate(zip(greedy, samplers))]

@@ -144,6 +144,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pdflow_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
     lib.pdflow_rope.argtypes = [p, i64, i64, i64, i64, p, p, p, p]
     lib.pdflow_silu_mul.argtypes = [p, i64, i64, p]
+    lib.pdflow_argmax_rows.argtypes = [p, i64, i64, p]
     lib.pdflow_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64, i64, i64,
                                             p, p, i64, i64, ctypes.c_float, p, p, i32]
     lib.pdflow_decode_layers.argtypes = [ctypes.POINTER(Layer), i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
@@ -155,7 +156,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pdflow_kv_decode.restype = None
     for fn in (lib.pdflow_decode_layers, lib.pdflow_q8_gemm, lib.pdflow_q4_gemm, lib.pdflow_q8a8_gemm, lib.pdflow_q4a8_gemm,
                lib.pdflow_q8a16_gemm, lib.pdflow_q4a16_gemm, lib.pdflow_q8_dequantize, lib.pdflow_q4_dequantize,
-               lib.pdflow_rms_norm, lib.pdflow_rope, lib.pdflow_silu_mul, lib.pdflow_decode_attention):
+               lib.pdflow_rms_norm, lib.pdflow_rope, lib.pdflow_silu_mul, lib.pdflow_decode_attention,
+               lib.pdflow_argmax_rows):
         fn.restype = None
     return lib
 
@@ -181,6 +183,20 @@ def library() -> ctypes.CDLL | None:
                 log.warning("pdflow's int8/int4 kernels are unavailable (%s); quantized weights will be "
                             "dequantized by PyTorch on every call, which is slow", _failure)
         return _loaded
+
+
+def argmax_rows(logits: "torch.Tensor") -> list[int]:
+    """Each row's argmax of 2-D ``logits`` (torch.argmax's answer: the first largest, or the first
+    NaN), through the kernel where it runs (fp32 on the CPU), else torch.argmax."""
+    import torch
+
+    lib = library() if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 else None
+    if lib is None or logits.shape[1] == 0:
+        return torch.argmax(logits, dim=-1).tolist()
+    logits = logits.contiguous()
+    out = (ctypes.c_int64 * logits.shape[0])()
+    lib.pdflow_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out)
+    return list(out)
 
 
 def unavailable_reason() -> str | None:

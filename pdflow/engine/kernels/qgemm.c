@@ -885,6 +885,51 @@ void pdflow_rope(const float *qkv, int64_t rows, int64_t heads, int64_t kv_heads
     }
 }
 
+/* out[r] = the index of row r's largest value, the first where several are equal, or of its first
+ * NaN if it has one (torch.argmax's answer; its own loop is scalar and takes ~50 us over a 49,152-
+ * token vocabulary, a percent of a decode step). Two passes over the row: the maximum (and
+ * whether a NaN is there), then its first place. */
+void pdflow_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * n;
+        float best = -INFINITY;
+        int nan = 0;
+        int64_t i = 0;
+#if defined(__AVX2__)
+        __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 a = _mm256_loadu_ps(v + i);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            top = _mm256_max_ps(top, a);
+        }
+        nan = _mm256_movemask_ps(unordered) != 0;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, top);
+        for (int j = 0; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
+#endif
+        for (; i < n; i++) {
+            if (v[i] != v[i]) nan = 1;
+            else if (v[i] > best) best = v[i];
+        }
+        int64_t at = 0;
+        if (nan) {
+            while (v[at] == v[at]) at++;
+        } else {
+            i = 0;
+#if defined(__AVX2__)
+            const __m256 b = _mm256_set1_ps(best);
+            for (; i + 8 <= n; i += 8) {
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), b, _CMP_EQ_OQ));
+                if (hit) break;
+            }
+#endif
+            while (i < n && v[i] != best) i++;
+            at = i < n ? i : 0;
+        }
+        out[r] = at;
+    }
+}
+
 /* ---- decode attention, read in place from blocks ----
  * One new query token per sequence against that sequence's cached keys and values, which stay
  * where they are: token t of sequence b is row t % block_tokens of slot table[b][t / block_tokens];
@@ -961,7 +1006,7 @@ void pdflow_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *o
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * inter, *u = g + inter;
         int64_t i = 0;
-#if VECTOR_ATTENTION
+#if defined(__AVX2__) && defined(__FMA__)  /* exp_nonpositive's condition */
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         for (; i + 8 <= inter; i += 8) {
             const __m256 x = _mm256_loadu_ps(g + i);
