@@ -144,11 +144,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pdflow_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
     lib.pdflow_rope.argtypes = [p, i64, i64, i64, i64, p, p, p, p]
     lib.pdflow_silu_mul.argtypes = [p, i64, i64, p]
-    lib.pdflow_argmax_rows.argtypes = [p, i64, i64, p]
     lib.pdflow_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64, i64, i64,
                                             p, p, i64, i64, ctypes.c_float, p, p, i32]
     lib.pdflow_decode_layers.argtypes = [ctypes.POINTER(Layer), i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                                          p, p, p, p, p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, i32]
+    if hasattr(lib, "pdflow_argmax_rows"):  # not in builds of earlier commits (compare_kernel_builds.py)
+        lib.pdflow_argmax_rows.argtypes = [p, i64, i64, p]
+        lib.pdflow_argmax_rows.restype = None
     if hasattr(lib, "pdflow_kv_encode"):  # a build of qgemm.c alone (scripts/compare_kernel_builds.py) has none
         lib.pdflow_kv_encode.argtypes = [p, i64, i64, i64, i32, i64, i32, i32, p, i64]
         lib.pdflow_kv_encode.restype = i32
@@ -156,8 +158,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pdflow_kv_decode.restype = None
     for fn in (lib.pdflow_decode_layers, lib.pdflow_q8_gemm, lib.pdflow_q4_gemm, lib.pdflow_q8a8_gemm, lib.pdflow_q4a8_gemm,
                lib.pdflow_q8a16_gemm, lib.pdflow_q4a16_gemm, lib.pdflow_q8_dequantize, lib.pdflow_q4_dequantize,
-               lib.pdflow_rms_norm, lib.pdflow_rope, lib.pdflow_silu_mul, lib.pdflow_decode_attention,
-               lib.pdflow_argmax_rows):
+               lib.pdflow_rms_norm, lib.pdflow_rope, lib.pdflow_silu_mul, lib.pdflow_decode_attention):
         fn.restype = None
     return lib
 
