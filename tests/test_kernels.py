@@ -159,6 +159,12 @@ def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):
                                            *lows, 96, y.data_ptr(), 2)
                 results.append(y)
             torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-4, msg=f"{name}, {rows} rows")
+    logits = torch.randn(3, 1001)
+    logits[0, 5] = logits[0, 900] = 9.0  # a tie
+    logits[1, 77] = float("nan")
+    picks = (ctypes.c_int64 * 3)()
+    portable.pdflow_argmax_rows(logits.data_ptr(), 3, 1001, picks)
+    assert list(picks) == torch.argmax(logits, dim=-1).tolist()
 
 
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(served_model):

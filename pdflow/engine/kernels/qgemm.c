@@ -895,7 +895,7 @@ void pdflow_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
         float best = -INFINITY;
         int nan = 0;
         int64_t i = 0;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)  /* where immintrin.h is included */
         __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
         for (; i + 8 <= n; i += 8) {
             const __m256 a = _mm256_loadu_ps(v + i);
@@ -916,7 +916,7 @@ void pdflow_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
             while (v[at] == v[at]) at++;
         } else {
             i = 0;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
             const __m256 b = _mm256_set1_ps(best);
             for (; i + 8 <= n; i += 8) {
                 const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), b, _CMP_EQ_OQ));
