@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdflow.engine import kernels
 from pdflow.speculative.base import Draft
 
 if TYPE_CHECKING:
@@ -32,6 +31,8 @@ def accept(logits: torch.Tensor, draft: Draft, sampler: "Sampler") -> list[int]:
     (``logits`` ``(len(draft.tokens) + 1, vocab)``)."""
     tokens = draft.tokens
     if sampler.greedy:
+        from pdflow.engine import kernels  # here: pdflow.engine imports this package (a cycle at import)
+
         target = kernels.argmax_rows(logits)  # the same pick as a plain step's (sample_batch)
         kept = 0
         while kept < len(tokens) and tokens[kept] == target[kept]:
