@@ -182,3 +182,14 @@ def test_self_draft_needs_fewer_layers_than_the_model(loaded_model):
     with pytest.raises(ValueError, match="fewer than the model's 30"):
         proposer("self-draft", loaded, layers=30)
     assert proposer("self-draft", None, layers=30).params["layers"] == 30  # (a topology's check: no model)
+
+
+def test_the_package_imports_first_in_a_fresh_interpreter():
+    """A topology check loads pdflow.speculative before pdflow.engine (which imports it back):
+    no import cycle may break that order."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", "import pdflow.speculative, pdflow.speculative.verify"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
