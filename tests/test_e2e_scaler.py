@@ -111,7 +111,9 @@ def test_a_burst_adds_replicas_that_serve_and_quiet_parks_them_with_every_answer
     assert final["decode-0"] == "ready" and "ready" in (final["prefill-0"], final["prefill-1"]), final
 
     # nothing lost, nothing cut: every answer is the one the request gets alone
-    assert len(answers) >= 3 * len(QUESTIONS)
+    # a burst or more while decode-1 starts (one when a burst outlasts its start, as on a slow
+    # machine), then one with both ready
+    assert len(answers) >= 2 * len(QUESTIONS)
     for question, answer in answers:
         assert answer == alone[question], question
     log = server.log()
