@@ -15,7 +15,7 @@ import hmac
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdflow import __version__
 from pdflow.messages import RequestFailed, SamplingParams, TextDelta
@@ -36,6 +36,7 @@ from pdflow.serving.openai_protocol import (
     usage_chunk,
 )
 from pdflow.serving.admin_api import install_admin
+from pdflow.serving.closing_stream import ClosingStreamingResponse
 from pdflow.serving.metrics import CONTENT_TYPE
 from pdflow.serving.openapi import install_openapi, route_doc
 
@@ -170,8 +171,8 @@ async def _serve(ingress, http: Request, req: ChatCompletionRequest | Completion
         results = _results(ingress, pending)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(ingress, pending, results, chat, include_usage),
-                                     media_type="text/event-stream")
+            return ClosingStreamingResponse(_stream(ingress, pending, results, chat, include_usage),
+                                            media_type="text/event-stream")
         return await _collect(ingress, http, pending, results, chat)
     except BaseException:  # whatever raised, the request holds no slot after it (idempotent)
         ingress.cancel_request(pending, "failed")
