@@ -391,7 +391,8 @@ class StageUp(Message):
 
 
 class StageStatus(Message):
-    """launcher -> every stage, every second, one per replica: what it is doing."""
+    """launcher -> every stage, every ``heartbeat_interval_s`` (at most a second), one per replica:
+    what it is doing."""
 
     stage: str
     replica: int
@@ -401,6 +402,7 @@ class StageStatus(Message):
     restarts: int
     stats: dict[str, int] = {}
     notes: dict[str, str] = {}
+    heartbeat: int = -1  # the seq of the heartbeat that brought ``stats`` (-1: none yet)
 
 
 class ProtocolRefused(Message):

@@ -102,6 +102,13 @@ def test_models_and_health(client, server):
     if server.mode == "colocated":
         expected = {"ingress-0", "worker-0"}
     assert set(health["stages"]) == expected
+    # each stage's stats come with the seq of the heartbeat that brought them, which moves on (at
+    # 0.25 s a heartbeat, and a publication as often, here)
+    began = time.monotonic()
+    seqs = {name: stage["heartbeat"] for name, stage in health["stages"].items()}
+    later = server.fresh_stats()
+    assert set(later) == expected and time.monotonic() - began < 3
+    assert all(stage["heartbeat"] >= seqs[name] + 2 for name, stage in server.health()["stages"].items())
 
 
 async def _stream_text(aclient, question: str) -> str:

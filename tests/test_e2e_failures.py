@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pdflow.testing import faults
-from pdflow.testing.server import PdflowServer
+from pdflow.testing.server import PdflowServer, held
 
 pytestmark = pytest.mark.e2e
 
@@ -132,7 +132,7 @@ def test_killing_decode_mid_stream_migrates_the_request_and_its_stream_goes_on_w
         if not stats["leases"] and not stats["pinned_blocks"]:
             break
         time.sleep(0.5)
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)
 
 
 def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_behind(server):

@@ -340,3 +340,17 @@ def test_forget_drops_a_prefix_with_everything_built_on_it_or_all() -> None:
     assert store.forget(h.ids(chat)[:1]) == 4  # the first block takes both branches
     assert store.lookup(other) == 2 and store.stats().forgotten == 6
     assert store.forget() == 2 and store.stats().blocks_used == 0 and store.forget([1, 2]) == 0
+
+
+def test_health_counts_the_leases_by_their_holder() -> None:
+    """kv-shuttle's /health says what pins memory: each holder kind of lease the stage takes."""
+    from pdflow.stages.kv_shuttle import lease_kinds
+
+    store = _store(4)
+    ids = [1, 2]
+    for owner in ("req-1", ("req-1", "answer"), ("req-2", "fetch"), ("load", "req-3"), ("fetch", 1, "req-4:fetch")):
+        store.lease(owner, ids, write=False)
+    assert lease_kinds(store.lease_owners()) == {"leases_requests": 1, "leases_answers": 1, "leases_fetching": 1,
+                                                 "leases_loading": 1, "leases_serving": 1}
+    store.release(("req-1", "answer"))
+    assert lease_kinds(store.lease_owners())["leases_answers"] == 0

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from pdflow.testing.server import held
 from tests.conftest import shared_server
 
 pytestmark = pytest.mark.e2e
@@ -58,20 +59,14 @@ def _workload(client: openai.OpenAI) -> list[tuple[list[dict], str, int, int]]:
     return done
 
 
-def _store_stats(url: str, stage: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=10).json()["stages"][stage].get("stats", {})
-
-
-def _settled_stats(url: str, stage: str) -> dict:
-    """The store's stats once every request's answer is in and its leases are gone (a few
-    heartbeats: they travel with them)."""
+def _settled_stats(server, stage: str) -> dict:
+    """The store's stats once every request's answer is in and its leases are gone (from
+    heartbeats sent after the last request ended: /health lags the stage)."""
     deadline = time.monotonic() + 15
-    stats = _store_stats(url, stage)
+    stats = server.fresh_stats()[stage]
     while time.monotonic() < deadline and (stats.get("leases") or stats.get("pinned_blocks")):
-        time.sleep(0.25)
-        stats = _store_stats(url, stage)
-    time.sleep(0.6)  # one more heartbeat (every 0.25 s here) after the last change
-    return _store_stats(url, stage)
+        stats = server.fresh_stats()[stage]
+    return stats
 
 
 class _Engine:
@@ -138,8 +133,8 @@ def test_reuse_gives_the_same_answers_and_reports_cached_tokens(reusing, referen
     # later questions about the document hit all of it but the last partial block and the question
     for _, _, prompt, cached in done[7:]:
         assert cached >= prompt - 40 - BLOCK, (prompt, cached)
-    stats = _settled_stats(reusing.url, reusing.store_stage)
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+    stats = _settled_stats(reusing, reusing.store_stage)
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)
     assert stats["hits"] >= 6 and stats["hit_tokens"] >= sum(by_turn), stats
     assert stats["checksum_failures"] == 0
 
@@ -155,8 +150,8 @@ def test_sixteen_at_once_give_the_same_answers(reusing, reference):
         assert prompt == ref_prompt
         assert answer == ref_answer, f"{messages[-1]['content'][:40]!r}: {answer!r} != {ref_answer!r}"
     assert sum(cached for _, _, cached in answers) > 0
-    stats = _settled_stats(reusing.url, reusing.store_stage)
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+    stats = _settled_stats(reusing, reusing.store_stage)
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)
 
 
 def test_a_prompt_sent_while_its_prefix_is_computed_waits_for_it(reusing, served_model):
@@ -168,7 +163,7 @@ def test_a_prompt_sent_while_its_prefix_is_computed_waits_for_it(reusing, served
     document = f"Field notes, the {reusing.deployment} copy.\n\n{DOCUMENT}"  # a prefix no earlier test stored
     first, second = ([{"role": "system", "content": document}, {"role": "user", "content": q}] for q in QUESTIONS[:2])
     client = openai.OpenAI(base_url=f"{reusing.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    before = _store_stats(reusing.url, reusing.store_stage)
+    before = reusing.fresh_stats()[reusing.store_stage]
     with ThreadPoolExecutor(2) as pool:
         earlier = pool.submit(_chat, client, first)
         time.sleep(0.3)  # its prefill takes seconds here
@@ -177,10 +172,10 @@ def test_a_prompt_sent_while_its_prefix_is_computed_waits_for_it(reusing, served
     assert cached_first == 0
     assert cached >= prompt - 40 - BLOCK, (prompt, cached)
     assert answer == _Engine(served_model).create("smollm2", second, 0, MAX_TOKENS).choices[0].message.content
-    stats = _settled_stats(reusing.url, reusing.store_stage)
+    stats = _settled_stats(reusing, reusing.store_stage)
     assert stats["prefix_waits"] == before["prefix_waits"] + 1, stats
     assert stats["prefix_waits_given_up"] == before["prefix_waits_given_up"], stats
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)
 
 
 def test_zero_copy_copies_no_kv_byte(reusing, reference):
@@ -190,8 +185,9 @@ def test_zero_copy_copies_no_kv_byte(reusing, reference):
         pytest.skip("the zero-copy deployment only")
     client = openai.OpenAI(base_url=f"{reusing.url}/v1", api_key="unused", max_retries=0, timeout=120)
     _chat(client, reference[0][0])
-    _settled_stats(reusing.url, reusing.store_stage)
-    prefill, shuttle, decode = (_store_stats(reusing.url, stage) for stage in ("prefill-0", "kv-shuttle-0", "decode-0"))
+    _settled_stats(reusing, reusing.store_stage)
+    stats = reusing.fresh_stats()
+    prefill, shuttle, decode = (stats[stage] for stage in ("prefill-0", "kv-shuttle-0", "decode-0"))
     assert prefill["kv_copied_bytes"] == 0 and prefill["kv_in_place_bytes"] > 0, prefill
     assert shuttle["kv_copied_bytes"] == shuttle["kv_in_place_bytes"] == 0, shuttle
     assert decode["attends_in_store"] == 1 and decode["kv_copied_bytes"] == 0, decode
@@ -206,5 +202,5 @@ def test_a_client_gone_mid_answer_leaves_no_lease(reusing):
             for line in response.iter_lines():
                 if line.startswith("data: ") and '"content"' in line:
                     break  # one token in: hang up
-    stats = _settled_stats(reusing.url, reusing.store_stage)
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+    stats = _settled_stats(reusing, reusing.store_stage)
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)

@@ -279,6 +279,9 @@ class KvStore:
     def get_lease(self, owner: Hashable) -> Lease | None:
         return self._leases.get(owner)
 
+    def lease_owners(self) -> list[Hashable]:
+        return list(self._leases)
+
     def renew(self, owner: Hashable, ttl_s: float | None = None) -> None:
         lease = self._leases.get(owner)
         if lease is not None:

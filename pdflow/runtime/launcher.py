@@ -89,6 +89,7 @@ class _Replica:
     draining_since: float | None = None  # the scaler stops it once it holds no request
     stats: dict = field(default_factory=dict)
     notes: dict = field(default_factory=dict)
+    heartbeat: int = -1  # the seq of the last heartbeat heard
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -327,7 +328,7 @@ class Launcher(ScalingLauncher):
         if isinstance(message, Heartbeat):
             rep.heard_at = rep.last_seen
             rep.in_flight = message.in_flight
-            rep.stats, rep.notes = message.stats, message.notes
+            rep.stats, rep.notes, rep.heartbeat = message.stats, message.notes, message.seq
         elif isinstance(message, ProtocolRefused):
             self.fatal = f"{self._name(rep)} refused a peer: {message.error}"
             log.error("launcher.protocol_mismatch", stage=self._name(rep), error=message.error)
@@ -379,7 +380,7 @@ class Launcher(ScalingLauncher):
             now = time.monotonic()
             if now >= next_status:
                 await self._publish_status()
-                next_status = now + _STATUS_EVERY_S
+                next_status = now + min(_STATUS_EVERY_S, limits.heartbeat_interval_s)
             await self._scale(now)
             for rep in self.replicas.values():
                 if rep.parked:
@@ -423,7 +424,7 @@ class Launcher(ScalingLauncher):
         for rep in self.replicas.values():
             pid = (rep.process.pid if rep.process else rep.pid) or 0  # 0: not known yet (a Ray actor still placed)
             status = StageStatus(rep.stage, rep.replica, self._state(rep), pid, rep.in_flight, rep.restarts,
-                                 rep.stats, rep.notes)
+                                 rep.stats, rep.notes, rep.heartbeat)
             await self.pub.send(self._encode(status))
 
     @staticmethod

@@ -47,6 +47,7 @@ class LocalPipeline:
         self._in_flight: dict[tuple[str, int], int] = {}
         self._stats: dict[tuple[str, int], dict] = {}
         self._notes: dict[tuple[str, int], dict] = {}
+        self._heartbeats: dict[tuple[str, int], int] = {}  # the seq of each one's latest
         self._supervisor: asyncio.Task | None = None
 
     @property
@@ -95,6 +96,7 @@ class LocalPipeline:
                 self._in_flight[(message.stage, message.replica)] = message.in_flight
                 self._stats[(message.stage, message.replica)] = message.stats
                 self._notes[(message.stage, message.replica)] = message.notes
+                self._heartbeats[(message.stage, message.replica)] = message.seq
 
     async def _supervise(self) -> None:
         reported: set[tuple[str, int]] = set()
@@ -106,6 +108,7 @@ class LocalPipeline:
                     self._in_flight[(message.stage, message.replica)] = message.in_flight
                     self._stats[(message.stage, message.replica)] = message.stats
                     self._notes[(message.stage, message.replica)] = message.notes
+                    self._heartbeats[(message.stage, message.replica)] = message.seq
             except asyncio.TimeoutError:
                 pass
             for key, task in self._tasks.items():
@@ -122,7 +125,8 @@ class LocalPipeline:
         for key in self.stages:
             state = "restarting" if key in down else "ready"
             self.hub.publish(StageStatus(key[0], key[1], state, os.getpid(), self._in_flight.get(key, 0), 0,
-                                         self._stats.get(key, {}), self._notes.get(key, {})))
+                                         self._stats.get(key, {}), self._notes.get(key, {}),
+                                         self._heartbeats.get(key, -1)))
 
     async def stop(self) -> None:
         """Ingress first (it drains in-flight requests), then the rest."""

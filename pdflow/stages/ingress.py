@@ -329,7 +329,8 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
             self.unrouted.discard((message.stage, message.replica))
         self.stage_status[f"{stage.display_name}-{message.replica}"] = {
             "state": message.state, "pid": message.pid, "in_flight": message.in_flight,
-            "restarts": message.restarts, **({"stats": message.stats} if message.stats else {}),
+            "restarts": message.restarts, "heartbeat": message.heartbeat,
+            **({"stats": message.stats} if message.stats else {}),
             **({"notes": message.notes} if message.notes else {}),
         }
 

@@ -98,6 +98,26 @@ def _fetch_timeout_s(nbytes: int) -> float:
     return _FETCH_WAIT_S + nbytes / _FETCH_SLOWEST_BYTES_PER_S
 
 
+def lease_kinds(owners) -> dict[str, int]:
+    """How many leases of each holder: requests (their prompt), answers being written back,
+    prefixes fetched from another replica, blocks loading from disk, blocks sent to another replica
+    (what /health shows when memory stays pinned)."""
+    counts = dict.fromkeys(("leases_requests", "leases_answers", "leases_fetching", "leases_loading",
+                            "leases_serving"), 0)
+    for owner in owners:
+        if not isinstance(owner, tuple):
+            counts["leases_requests"] += 1
+        elif owner[-1] == "answer":
+            counts["leases_answers"] += 1
+        elif owner[-1] == "fetch":
+            counts["leases_fetching"] += 1
+        elif owner[0] == "load":
+            counts["leases_loading"] += 1
+        else:  # ("fetch", replica, fetch id): another replica's fetch, served from here
+            counts["leases_serving"] += 1
+    return counts
+
+
 @dataclass(slots=True, eq=False)
 class _Fetch:
     """Blocks of a prompt's prefix on their way from another replica's store into slots here."""
@@ -234,7 +254,8 @@ class KvShuttleStage(Stage):
         stats = {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill),
                  **self.codec_stats(self.inbound, self.to_decode, self.to_prefill),
                  **self.sent_stats(kv=self.to_decode, destination=self.to_prefill), **self.fetch_counts,
-                 "prefix_waits": self.computing.waits, "prefix_waits_given_up": self.computing.given_up}
+                 "prefix_waits": self.computing.waits, "prefix_waits_given_up": self.computing.given_up,
+                 **lease_kinds(self.store.lease_owners())}
         if self.to_peers is not None:  # into other replicas' stores
             stats[f"kv_sent_bytes@{self.pipeline.stages[self.ctx.stage].display_name}"] = self.to_peers.sent_bytes
         if self.tiers is not None:

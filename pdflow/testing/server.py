@@ -278,19 +278,34 @@ class PdflowServer:
         except (httpx.HTTPError, ValueError):
             return None
 
-    def quiet_stats(self, quiet_s: float = 0.75, timeout_s: float = 20) -> dict[str, dict]:
-        """Every stage's stats (``/health``) once none has changed for ``quiet_s``: the counters of
-        work that goes on after an answer is out (a store decoding what it keeps, leases let go)
-        have come in with the heartbeats. Past ``timeout_s``, the latest."""
+    def fresh_stats(self, timeout_s: float = 20) -> dict[str, dict]:
+        """Every stage's stats (``/health``) from heartbeats sent after this call began: two more
+        heartbeats of each replica (the first may have been on its way already), or one of a new
+        process. Past ``timeout_s``, the latest. (``/health`` shows what the launcher last
+        published, a heartbeat and a publication behind the stage: read right after a request, it
+        can still show the store before it.)"""
         def read() -> dict[str, dict]:
-            body = self.health() or {}
-            return {name: stage.get("stats", {}) for name, stage in body.get("stages", {}).items()}
+            return (self.health() or {}).get("stages", {})
 
-        deadline, last = time.monotonic() + timeout_s, read()
+        base = {name: stage.get("heartbeat", -1) for name, stage in read().items()}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = read()
+            seqs = {name: stage.get("heartbeat", -1) for name, stage in now.items()}
+            if all(seqs.get(name, -1) >= seq + 2 or 0 <= seqs.get(name, -1) < seq for name, seq in base.items()) \
+                    or time.monotonic() > deadline:
+                return {name: stage.get("stats", {}) for name, stage in now.items()}
+            time.sleep(0.05)
+
+    def quiet_stats(self, quiet_s: float = 0.75, timeout_s: float = 20) -> dict[str, dict]:
+        """Every stage's stats (:meth:`fresh_stats`) once none has changed for ``quiet_s``: the
+        counters of work that goes on after an answer is out (a store decoding what it keeps,
+        leases let go) have come in with the heartbeats. Past ``timeout_s``, the latest."""
+        deadline = time.monotonic() + timeout_s
+        last = self.fresh_stats(timeout_s)
         since = time.monotonic()
         while time.monotonic() < deadline:
-            time.sleep(0.25)
-            now = read()
+            now = self.fresh_stats(max(0.0, deadline - time.monotonic()))
             if now != last:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
@@ -328,3 +343,10 @@ class PdflowServer:
             raise
         finally:
             self._log.close()
+
+
+def held(stats: dict) -> dict:
+    """What a store's stats say holds memory (leases by holder, pinned and used blocks): short
+    enough for an assertion message to show whole."""
+    keep = ("leases", "pinned_blocks", "blocks_used", "blocks_cached", "blocks_quarantined")
+    return {name: value for name, value in stats.items() if name in keep or name.startswith("leases_") and value}
