@@ -298,14 +298,20 @@ class PdflowServer:
             time.sleep(0.05)
 
     def quiet_stats(self, quiet_s: float = 0.75, timeout_s: float = 20) -> dict[str, dict]:
-        """Every stage's stats (:meth:`fresh_stats`) once none has changed for ``quiet_s``: the
-        counters of work that goes on after an answer is out (a store decoding what it keeps,
-        leases let go) have come in with the heartbeats. Past ``timeout_s``, the latest."""
+        """Every stage's stats from :meth:`fresh_stats` on, once none has changed for ``quiet_s``
+        (the launcher publishes them every heartbeat interval): the counters of work that goes on
+        after an answer is out (a store decoding what it keeps, leases let go) have come in with
+        the heartbeats. Past ``timeout_s``, the latest."""
+        def read() -> dict[str, dict]:
+            body = self.health() or {}
+            return {name: stage.get("stats", {}) for name, stage in body.get("stages", {}).items()}
+
         deadline = time.monotonic() + timeout_s
         last = self.fresh_stats(timeout_s)
         since = time.monotonic()
         while time.monotonic() < deadline:
-            now = self.fresh_stats(max(0.0, deadline - time.monotonic()))
+            time.sleep(0.25)
+            now = read()
             if now != last:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
