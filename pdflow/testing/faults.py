@@ -206,6 +206,8 @@ def settled(server, timeout_s: float = 60.0) -> dict:
     block of decode's pool free; its /health. AssertionError naming what did not settle."""
     deadline = time.monotonic() + timeout_s
     problems = ["no answer from /health"]
+    if hasattr(server, "fresh_stats"):  # (what /health shows from here on came after the call)
+        server.fresh_stats(min(timeout_s / 2, 10.0))
     while time.monotonic() < deadline:
         body = server.health()
         if body is not None:
