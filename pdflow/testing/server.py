@@ -281,13 +281,14 @@ class PdflowServer:
     def fresh_stats(self, timeout_s: float = 20) -> dict[str, dict]:
         """Every stage's stats (``/health``) from heartbeats sent after this call began: two more
         heartbeats of each replica (the first may have been on its way already), or one of a new
-        process. Past ``timeout_s``, the latest. (``/health`` shows what the launcher last
+        process; none of a parked one. Past ``timeout_s``, the latest. (``/health`` shows what the launcher last
         published, a heartbeat and a publication behind the stage: read right after a request, it
         can still show the store before it.)"""
         def read() -> dict[str, dict]:
             return (self.health() or {}).get("stages", {})
 
-        base = {name: stage.get("heartbeat", -1) for name, stage in read().items()}
+        base = {name: stage.get("heartbeat", -1) for name, stage in read().items()
+                if stage.get("state") != "parked"}  # (no process: no heartbeat to wait for)
         deadline = time.monotonic() + timeout_s
         while True:
             now = read()
