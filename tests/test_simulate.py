@@ -56,12 +56,18 @@ def test_one_request_takes_what_the_profile_says(profile):
     outcome = simulate([r], profile, Deployment(block_tokens=100))
     prefill = profile.prefill_s(200)
     tail = transfer(200 * 1000, 10, 0.001, prefill, 0.001).streamed_tail_s
-    assert r.first_token_s == pytest.approx(1.0 + prefill + tail)
+    assert r.first_token_s == pytest.approx(1.0 + prefill)  # prefill sends it
+    assert r.kv_in_s == pytest.approx(1.0 + prefill + tail)
     step = profile.decode_step_s(1, 201 + 4 / 2)
-    assert r.gaps == pytest.approx([step] * 4) and r.done_s == pytest.approx(r.first_token_s + 4 * step)
+    # the first gap waits for the KV tail, then decode's first step
+    assert r.gaps == pytest.approx([tail + step] + [step] * 3) and r.done_s == pytest.approx(r.kv_in_s + 4 * step)
     m = outcome.metrics
     assert m["completed"] == 1 and m["ttft_ms"]["p50"] == pytest.approx((r.first_token_s - 1.0) * 1000)
     assert m["output_tokens"] == 5 and m["tbt_ms"]["count"] == 4
+    one = request(1, 1.0, tokens=200, out=1)  # done at prefill, with its first token: decode never has it
+    simulate([one], profile, Deployment(block_tokens=100))
+    assert one.first_token_s == one.done_s == pytest.approx(1.0 + prefill)
+    assert one.kv_in_s is None and one.gaps == []
 
 
 def test_prefill_is_first_come_first_served_and_decode_joins_at_a_step_boundary(profile):
@@ -69,17 +75,22 @@ def test_prefill_is_first_come_first_served_and_decode_joins_at_a_step_boundary(
     simulate([a, b], profile, Deployment(block_tokens=100))
     prefill = profile.prefill_s(200)
     tail = transfer(200 * 1000, 10, 0.001, prefill, 0.001).streamed_tail_s
-    assert a.first_token_s == pytest.approx(prefill + tail)
-    # b's prefill waited for a's, and its KV for a's on the links (200 KB at 125 KB/s each: the
-    # links, not prefill, are the bottleneck here)
-    assert 2 * prefill + tail < a.first_token_s + 1.6
-    kv_in = a.first_token_s + 200 * 1000 / 125_000
-    alone = a.gaps[0]
-    boundary = a.first_token_s + math.ceil((kv_in - a.first_token_s) / alone - 1e-9) * alone
-    assert b.first_token_s == pytest.approx(boundary)
-    joined = round((b.first_token_s - a.first_token_s) / alone)
-    assert a.gaps[:joined] == pytest.approx([alone] * joined)
-    assert a.gaps[joined] > alone  # a batch of two steps slower
+    assert a.first_token_s == pytest.approx(prefill) and a.kv_in_s == pytest.approx(prefill + tail)
+    assert b.first_token_s == pytest.approx(2 * prefill)  # b's prefill waited for a's
+    # and its KV for a's on the links (200 KB at 125 KB/s each: the links, not prefill, are the
+    # bottleneck here)
+    assert 2 * prefill + tail < a.kv_in_s + 1.6
+    assert b.kv_in_s == pytest.approx(a.kv_in_s + 200 * 1000 / 125_000)
+    alone = a.gaps[1]
+    assert a.gaps[0] == pytest.approx(tail + alone)
+    boundary = a.kv_in_s + math.ceil((b.kv_in_s - a.kv_in_s) / alone - 1e-9) * alone  # a's steps began at its KV
+    joined = round((boundary - a.kv_in_s) / alone)
+    assert a.gaps[1:joined] == pytest.approx([alone] * (joined - 1))
+    together = a.gaps[joined]
+    assert together > alone  # a batch of two steps slower
+    # b's first gap: from its first token, through its KV's wait and the step boundary, to the
+    # end of the first step it is in
+    assert b.gaps[0] == pytest.approx(boundary + together - b.first_token_s)
     assert all(r.done_s is not None and len(r.gaps) == r.output_len - 1 for r in (a, b))
 
 
@@ -88,10 +99,11 @@ def test_transfers_share_a_replica_s_link_and_not_another_s(profile):
     side; into one, the second waits for the first on decode's link (1.6 s each at 125 KB/s)."""
     a, b = request(0, 0.0), request(1, 0.0)
     simulate([a, b], profile, Deployment(prefill=2, decode=2, block_tokens=100))
-    apart = a.first_token_s
-    assert b.first_token_s == pytest.approx(apart) and a.route[2] != b.route[2]
+    apart = a.kv_in_s
+    assert b.kv_in_s == pytest.approx(apart) and a.route[2] != b.route[2]
     simulate([a, b], profile, Deployment(prefill=2, decode=1, block_tokens=100))
-    assert sorted([a.first_token_s, b.first_token_s]) == pytest.approx([apart, apart + 1.6])
+    assert sorted([a.kv_in_s, b.kv_in_s]) == pytest.approx([apart, apart + 1.6])
+    assert a.first_token_s == pytest.approx(b.first_token_s)  # each prefill sends its own at its end
 
 
 def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
@@ -105,12 +117,13 @@ def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
     compute = profile.prefill_s(100, 500)
     prefill = 0.001 + 4.0 + compute / 10  # the prefix is the slower: its last layer, then that layer's compute
     tail = transfer(600 * 1000, 10, 0.001, prefill, 0.001).streamed_tail_s
-    assert again.first_token_s == pytest.approx(100.0 + prefill + tail)
+    assert again.kv_in_s == pytest.approx(100.0 + prefill + tail)
+    assert again.first_token_s == pytest.approx(100.0 + prefill)
     fast = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 1000, "latency_s": 0}})
     simulate([first, again], fast, Deployment(block_tokens=100))  # 4 us of prefix: compute is the slower
     prefill = 4e-6 / 10 + compute  # (the first layer's wait, then every layer's compute)
     tail = 100 * 1000 / 125e9 / 10  # prefill sends the 100 tokens it computed: their last layer after it ends
-    assert again.first_token_s - 100.0 == pytest.approx(prefill + tail)
+    assert again.kv_in_s - 100.0 == pytest.approx(prefill + tail)
     # a prefix that lands while its request waits in prefill's queue costs it nothing more
     second = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 0.004, "latency_s": 0}})  # 1 s of prefix
     ahead = request(2, 100.0, tokens=900, ids=list(range(50, 59)))  # 1.81 s of prefill first
@@ -118,7 +131,8 @@ def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
     end = 100.0 + second.prefill_s(900) + compute  # again's prefill: only its compute, the prefix was in
     ahead_sent = 100.0 + max(second.prefill_s(900) + 0.18, second.prefill_s(900) / 10 + 1.8)  # 900 KB at 500 KB/s
     # again's 600 KB then follow on the same links, from when ahead's are out
-    assert again.first_token_s == pytest.approx(max(end + 0.12, max(end - compute + compute / 10, ahead_sent) + 1.2))
+    assert again.kv_in_s == pytest.approx(max(end + 0.12, max(end - compute + compute / 10, ahead_sent) + 1.2))
+    assert again.first_token_s == pytest.approx(end)
     last_token = request(2, 200.0, tokens=500, ids=[1, 2, 3, 4, 5])  # never the prompt's last token
     simulate([first, last_token], profile, Deployment(block_tokens=100))
     assert last_token.cached_tokens == 400

@@ -25,10 +25,13 @@ What is modelled, and how:
   each decode replica's all of a request's KV (the store sends the cached prefix), one transfer
   at a time (first come first served), so transfers that the links cannot keep up with queue.
   (The stores' own links, and the prefix's trip from the store to prefill, are not shared.)
+- **The first token** goes out when prefill ends (prefill samples it and sends it, as pdflow's
+  prefill stage does); a request of one token is done then and never reaches decode.
 - **Decode** replicas run continuous batching up to ``max_batch``: a request joins at a step
-  boundary once its KV is in and emits its first token then (prefill computed it); every step
-  emits one token per sequence and costs :meth:`Profile.decode_step_s` at the batch's size and
-  mean context. Between joins and ends the steps are advanced in one event.
+  boundary once its KV is in; every step emits one token per sequence and costs
+  :meth:`Profile.decode_step_s` at the batch's size and mean context. A request's first gap (its
+  first token to its second) is therefore the KV tail, the wait for the running step to end and
+  its first step. Between joins and ends the steps are advanced in one event.
 - **Colocated** (``mode = "colocated"``: pdflow's worker stage, the baseline): each worker
   replica keeps its own store and loops as :mod:`pdflow.stages.worker` does. An iteration does the
   prefill work (the queue's head, whole or at most ``chunked_prefill_tokens`` tokens of it, again
@@ -299,21 +302,27 @@ class Cluster:
         store.expect(request.hash_ids, -1)
         store.touch(request.hash_ids)
         self.store_load[request.route[1]] -= 1
-        self._at(self.now + self._kv_tail(replica, self.decodes[request.route[2]], request, seconds), self._kv_in,
-                 request)
+        self._first_token(request, self.now)
+        decode = self.decodes[request.route[2]]
+        if request.output_len <= 1:  # done with its first token: its KV goes to the store only
+            self._kv_tail(replica, None, request, seconds)
+            self._finish(decode, request)
+        else:
+            self._at(self.now + self._kv_tail(replica, decode, request, seconds), self._kv_in, request)
         self._next_prefill(replica)
 
     def _link_s(self, tokens: int) -> float:
         """How long ``tokens`` tokens' KV take on a link (its latency aside)."""
         return tokens * self.profile.kv_bytes_per_token / self._link_rate
 
-    def _kv_tail(self, prefill: _Prefill, decode: _Decode, request: SimRequest, seconds: float) -> float:
+    def _kv_tail(self, prefill: _Prefill, decode: _Decode | None, request: SimRequest, seconds: float) -> float:
         """From prefill's end until decode holds all of ``request``'s KV. Prefill's link carries
         the KV it computed (the new tokens'), decode's link all of it (the store sends the cached
         prefix); each link one transfer after another. Layer-streamed, prefill's may start once
         the first layer is computed and its link is free, and ends no sooner than the last
         layer's own send after prefill ends; whole, it starts once prefill ends. Decode's starts
-        with it (or once decode's link is free) and ends no sooner than it."""
+        with it (or once decode's link is free) and ends no sooner than it. Without ``decode``
+        (a request done at prefill) only prefill's link carries it, and the tail is its send."""
         layers = self.profile.layers
         computed, every = self._link_s(request.input_len - request.cached_tokens), self._link_s(request.input_len)
         if self.deploy.kv_streaming == "layer":
@@ -322,13 +331,17 @@ class Cluster:
         else:
             start = max(self.now, prefill.link_free_s)
             sent = start + computed
+        prefill.link_free_s = sent
+        if decode is None:
+            return sent + self.profile.link_latency_s - self.now
         received = max(sent, max(start, decode.link_free_s) + every)
-        prefill.link_free_s, decode.link_free_s = sent, received
+        decode.link_free_s = received
         return received + self.profile.link_latency_s - self.now
 
     # --- decode -----------------------------------------------------------------------------
 
     def _kv_in(self, request: SimRequest) -> None:
+        request.kv_in_s = self.now
         replica = self.decodes[request.route[2]]
         replica.waiting.append(request)
         if not replica.running:
@@ -343,14 +356,18 @@ class Cluster:
                 self._at(boundary, self._tick, replica, replica.version)
 
     def _advance(self, replica: _Decode, steps: int, until: float) -> None:
-        """Account ``steps`` steps of the running batch (ending at ``until``): tokens and gaps."""
+        """Account ``steps`` steps of the running batch (ending at ``until``): tokens and gaps
+        (a sequence's first step here also covers what came between its last token and the run's
+        start: for one that just joined, its KV tail and the wait for the step boundary)."""
         if steps <= 0:
             return
         gap = replica.step_s
         for seq in replica.running:
-            seq.request.gaps.extend([gap] * steps)
+            seq.request.gaps.append(replica.run_start + gap - seq.last_s)
+            seq.request.gaps.extend([gap] * (steps - 1))
             seq.left -= steps
             seq.context += steps
+            seq.last_s = until
         self.recent_tbt.append((until, gap))
         replica.run_start, replica.steps = until, replica.steps - steps
 
@@ -365,11 +382,7 @@ class Cluster:
         while replica.waiting and room > 0:
             request = replica.waiting.popleft()
             room -= 1
-            self._first_token(request, self.now)
-            if request.output_len <= 1:
-                self._finish(replica, request)
-            else:
-                replica.running.append(_Seq(request, request.output_len - 1, request.input_len + 1))
+            replica.running.append(_Seq(request, request.output_len - 1, request.input_len + 1, request.first_token_s))
         replica.version += 1
         if replica.running:
             steps = min(seq.left for seq in replica.running)

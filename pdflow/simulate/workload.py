@@ -23,6 +23,7 @@ class SimRequest:
     fetched_tokens: int = 0
     prefix_in_s: float = 0.0  # when its cached prefix is all at its prefill replica
     first_token_s: float | None = None
+    kv_in_s: float | None = None  # when decode held all of its KV (disaggregated)
     done_s: float | None = None
     gaps: list[float] = field(default_factory=list)
     route: tuple[int, int, int] = (0, 0, 0)  # prefill, store, decode replica
