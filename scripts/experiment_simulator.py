@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,28 +66,36 @@ def requests_of(run: dict) -> list[SimRequest]:
     return requests
 
 
+METRICS = [("TTFT p50 ms", lambda m: m["ttft_ms"]["p50"]), ("TTFT p99 ms", lambda m: m["ttft_ms"]["p99"]),
+           ("TBT p50 ms", lambda m: m["tbt_ms"]["p50"]), ("TBT p99 ms", lambda m: m["tbt_ms"]["p99"]),
+           ("Mooncake TBT p99 ms", lambda m: m["tbt_mooncake_ms"]["p99"]), ("goodput req/s", lambda m: m["goodput"]),
+           ("hit ratio", lambda m: m["cache"]["hit_ratio"])]
+
+
 def compare(name: str, run: dict, profile: Profile, slo_ttft: float, slo_tbt: float,
-            deployment: Deployment = Deployment(1, 1, block_tokens=BLOCK)) -> dict:
+            deployment: Deployment = Deployment(1, 1, block_tokens=BLOCK), seeds: int = 1) -> dict:
+    """The run beside its simulation; with ``seeds`` > 1 (a profile with gap ratios draws), the
+    median of that many simulations and their range."""
     requests = requests_of(run)
-    outcome = simulate(requests, profile, deployment, slo_ttft_ms=slo_ttft, slo_tbt_ms=slo_tbt)
-    real, sim = run["metrics"], outcome.metrics
-    rows = [("TTFT p50 ms", real["ttft_ms"]["p50"], sim["ttft_ms"]["p50"]),
-            ("TTFT p99 ms", real["ttft_ms"]["p99"], sim["ttft_ms"]["p99"]),
-            ("TBT p50 ms", real["tbt_ms"]["p50"], sim["tbt_ms"]["p50"]),
-            ("TBT p99 ms", real["tbt_ms"]["p99"], sim["tbt_ms"]["p99"]),
-            ("Mooncake TBT p99 ms", real["tbt_mooncake_ms"]["p99"], sim["tbt_mooncake_ms"]["p99"]),
-            ("goodput req/s", real["goodput"], sim["goodput"]),
-            ("hit ratio", real["cache"]["hit_ratio"], sim["cache"]["hit_ratio"])]
+    sims = [simulate(requests, profile, deployment, slo_ttft_ms=slo_ttft, slo_tbt_ms=slo_tbt, seed=seed).metrics
+            for seed in range(seeds)]
+    real = run["metrics"]
     say(f"**{name}** ({len(requests)} requests)")
     say()
-    say("| metric | measured | simulated | simulated / measured |")
-    say("|---|---:|---:|---:|")
-    for metric, measured, simulated in rows:
+    spread = seeds > 1
+    say("| metric | measured | simulated | simulated / measured |" + (f" range over {seeds} seeds |" if spread else ""))
+    say("|---|---:|---:|---:|" + ("---:|" if spread else ""))
+    for metric, get in METRICS:
+        measured, values = get(real), sorted(v for v in map(get, sims) if v is not None)
+        simulated = statistics.median(values) if values else None
         ratio = simulated / measured if measured and simulated is not None else None
-        say(f"| {metric} | {figure(measured, '.3f' if metric.startswith(('good', 'hit')) else '.1f')} | "
-            f"{figure(simulated, '.3f' if metric.startswith(('good', 'hit')) else '.1f')} | {figure(ratio, '.2f')} |")
+        form = ".3f" if metric.startswith(("good", "hit")) else ".1f"
+        cells = f"| {metric} | {figure(measured, form)} | {figure(simulated, form)} | {figure(ratio, '.2f')} |"
+        if spread:
+            cells += (f" {values[0] / measured:.2f}-{values[-1] / measured:.2f} |" if measured and values else " - |")
+        say(cells)
     say()
-    return {"name": name, "measured": real, "simulated": sim}
+    return {"name": name, "measured": real, "simulated": sims[0], "simulated_seeds": sims}
 
 
 def measured(out: Path, name: str, url_argv: tuple[str, list[str]] | None) -> dict:
@@ -102,6 +111,8 @@ def main() -> int:
     p.add_argument("--profile", type=Path, default=None, help="use this profile instead of measuring one")
     p.add_argument("--parts", default="mixed,trace,colocated")
     p.add_argument("--resimulate", action="store_true", help="simulate <out>'s measured runs again")
+    p.add_argument("--seeds", type=int, default=5,
+                   help="simulations per run (a profile's gap ratios are drawn; median and range; default: %(default)s)")
     p.add_argument("--colocated-profile", type=Path, default=None,
                    help="the colocated worker's profile (default: measure one with --threads 2)")
     p.add_argument("--rates", default="0.5,1,1.5")
@@ -137,7 +148,8 @@ def main() -> int:
                         "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", opts.rates, *slos]
                 mixed = measured(opts.out, "serve-mixed.json", server and (server.url, argv))
                 for rate, run in zip(opts.rates.split(","), mixed["runs"]):
-                    results.append(compare(f"mixed, {rate} req/s", run, profile, opts.slo_ttft, opts.slo_tbt))
+                    results.append(compare(f"mixed, {rate} req/s", run, profile, opts.slo_ttft, opts.slo_tbt,
+                                           seeds=opts.seeds))
             if "trace" in parts:
                 picked = (["--sample-conversations", str(opts.conversations), "--seed", "1"]
                           if opts.conversations else [])
@@ -149,7 +161,7 @@ def main() -> int:
                          else f"first {opts.trace_limit} requests")
                 results.append(compare(f"conversation trace, {which}, tokens x{opts.token_scale:g}, "
                                        f"{opts.time_scale:g}x speed", trace["runs"][0], profile, opts.slo_ttft,
-                                       opts.slo_tbt))
+                                       opts.slo_tbt, seeds=opts.seeds))
     if "colocated" in parts:
         colocated_path = opts.colocated_profile or opts.out / "profile-2-threads.json"
         if opts.colocated_profile is None and not opts.resimulate:
@@ -168,7 +180,7 @@ def main() -> int:
                 runs = measured(opts.out, "serve-colocated.json", (server.url, argv))
         for rate, run in zip(opts.rates.split(","), runs["runs"]):
             results.append(compare(f"colocated worker, mixed, {rate} req/s", run, colocated, opts.slo_ttft,
-                                   opts.slo_tbt, Deployment(mode="colocated", block_tokens=BLOCK)))
+                                   opts.slo_tbt, Deployment(mode="colocated", block_tokens=BLOCK), opts.seeds))
     (opts.out / "comparison.json").write_text(json.dumps(results, indent=1))
     REPORT.write(opts.out / "summary.md")
     say(f"written: {opts.out / 'summary.md'}")

@@ -138,6 +138,42 @@ def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
     assert last_token.cached_tokens == 400
 
 
+def test_gap_ratios_stretch_decode_s_steps_while_the_prefill_beside_it_computes():
+    """With measured gap ratios (here: every gap twice the step beside a prefill, the step without
+    one), a running answer's steps take twice as long from the step boundary after another prompt's
+    prefill starts to the one after it ends; a seed fixes the draws of a spread distribution."""
+    flat = {**PROFILE, "link": {"gbit_per_s": 1000, "latency_s": 0},
+            "decode": {"batch": [1, 4], "context": [100, 1100], "seconds": [[0.01, 0.02], [0.01, 0.02]]}}
+    profile = Profile.from_dict({**flat, "pipeline": {"decode_gap_ratios": {"busy": [2.0] * 101, "idle": [1.0] * 101}}})
+    assert Profile.from_dict(profile.to_dict()) == profile
+    a, b = request(0, 0.0, out=400), request(1, 1.0, out=2)
+    simulate([a, b], profile, Deployment(block_tokens=100))
+    start, end = 1.0, b.first_token_s  # b's prefill
+    assert end == pytest.approx(1.0 + profile.prefill_s(200))
+    t, seen = a.first_token_s, set()
+    for gap in a.gaps[1:]:
+        t0, t = t, t + gap
+        if t < start:
+            assert gap == pytest.approx(0.01)  # alone, nothing prefilling
+        elif t0 >= start + 0.01 and t <= end:
+            assert gap == pytest.approx(0.02)  # beside b's prefill
+        elif t0 >= b.done_s:
+            assert gap == pytest.approx(0.01)  # b came and went
+        seen.add(round(gap, 4))
+    assert {0.01, 0.02} <= seen
+    spread = Profile.from_dict({**flat, "pipeline": {"decode_gap_ratios": {
+        "busy": [1 + i / 50 for i in range(101)], "idle": [0.9 + i / 500 for i in range(101)]}}})
+    assert spread.gap_ratio(True, 0.5) == pytest.approx(2.0) and spread.gap_ratio(False, 1.0) == pytest.approx(1.1)
+    one = simulate([a, b], spread, Deployment(block_tokens=100), seed=3).metrics
+    assert simulate([a, b], spread, Deployment(block_tokens=100), seed=3).metrics == one
+    assert simulate([a, b], spread, Deployment(block_tokens=100), seed=4).metrics != one
+    assert all(0.009 - 1e-9 <= g <= 0.03 + 1e-9 for g in a.gaps[1:])
+    with pytest.raises(ValueError, match="decode_gap_ratios"):
+        Profile.from_dict({**flat, "pipeline": {"decode_gap_ratios": {"busy": [2.0, 1.0]}}})
+    with pytest.raises(ValueError, match="decode_gap_ratios"):
+        Profile.from_dict({**flat, "pipeline": {"decode_gap_ratios": {"sometimes": [1.0, 2.0]}}})
+
+
 def test_a_store_that_holds_little_evicts_the_least_recently_used(profile):
     requests = [request(0, 0.0, 300, ids=[1, 2, 3]), request(1, 10.0, 300, ids=[7, 8, 9]),
                 request(2, 20.0, 400, ids=[1, 2, 3, 4])]
@@ -298,6 +334,24 @@ def test_pdflow_profile_measures_a_profile_the_simulator_loads(tmp_path, model_d
     r = request(0, 0.0, tokens=24, out=3)
     simulate([r], measured, Deployment(block_tokens=16))
     assert r.done_s is not None
+
+
+def test_an_answer_s_gaps_are_measured_beside_prefills_and_without(default_server):
+    """``pdflow profile --pipeline``'s gap ratios, through a real pipeline: an answer streams while
+    a prompt prefills; every gap but its first is counted once, as beside a prefill or not."""
+    import asyncio
+
+    from pdflow.simulate.measure import gaps_beside_prefills, percentiles
+
+    shipped = Profile.load(ROOT / "profiles" / "cpu-2core-smollm2-int4.json")
+    busy, idle = asyncio.run(gaps_beside_prefills(default_server.url, shipped, [256], rounds=1, prompt=16,
+                                                  pause_s=0.3, first_id=27_000))
+    tokens = int((0.3 + shipped.prefill_s(256) + 0.3 + 0.3) / shipped.decode_step_s(1, 16 + 256)) + 32
+    assert 0.9 * (tokens - 2) <= len(busy) + len(idle) <= tokens - 2  # (a token may end mid-character)
+    assert busy and idle and min(busy + idle) > 0
+    ratios = percentiles(busy)  # as the profile keeps them
+    assert len(ratios) == 101 and ratios[0] == pytest.approx(min(busy), abs=1e-4)
+    assert ratios[100] == pytest.approx(max(busy), abs=1e-4) and ratios == sorted(ratios)
 
 
 def test_a_prompt_arriving_while_the_worker_prefills_joins_that_prefill_work(profile):

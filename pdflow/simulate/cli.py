@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--input", type=int, default=1024, help="synthetic: prompt tokens (default 1024)")
     load.add_argument("--output", type=int, default=128, help="synthetic: output tokens (default 128)")
     load.add_argument("--shared-prefix", type=int, default=0, help="synthetic: tokens every prompt shares (default 0)")
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0,
+                      help="synthetic arrivals' and a profile's gap ratios' draws (default 0)")
     dep = p.add_argument_group("deployment")
     dep.add_argument("--prefill", type=int, default=1, help="prefill replicas (the most, with --min-prefill)")
     dep.add_argument("--decode", type=int, default=1, help="decode replicas (the most, with --min-decode)")
@@ -131,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         try:
             outcome = simulate(requests, profile, deployment, args.router, router_options, scaler,
-                               args.slo_ttft, args.slo_tbt)
+                               args.slo_ttft, args.slo_tbt, args.seed)
         except (ValueError, TypeError, LookupError) as exc:
             sys.stderr.write(f"error: {exc}\n")
             return 2

@@ -31,7 +31,11 @@ What is modelled, and how:
   boundary once its KV is in; every step emits one token per sequence and costs
   :meth:`Profile.decode_step_s` at the batch's size and mean context. A request's first gap (its
   first token to its second) is therefore the KV tail, the wait for the running step to end and
-  its first step. Between joins and ends the steps are advanced in one event.
+  its first step. Between joins and ends the steps are advanced in one event. With the profile's
+  ``decode_gap_ratios`` each step lasts the step times a ratio drawn from them, from the busy
+  percentiles while the prefill replica of decode's number computes (the two share a host, as in
+  the default topology) and from the idle ones otherwise; a run of steps is cut where that
+  prefill starts or stops, so the steps after it draw from the other.
 - **Colocated** (``mode = "colocated"``: pdflow's worker stage, the baseline): each worker
   replica keeps its own store and loops as :mod:`pdflow.stages.worker` does. An iteration does the
   prefill work (the queue's head, whole or at most ``chunked_prefill_tokens`` tokens of it, again
@@ -52,9 +56,11 @@ stores' links, store eviction of blocks in use, failures.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
+import random
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -184,11 +190,17 @@ class _Decode(_Replica):
         self.steps = 0  # planned in this run
         self.version = 0  # a tick of an older plan is ignored
         self.link_free_s = 0.0  # when its link has taken in every byte sent to it so far
+        # with drawn gap ratios: each planned step's ratio, and its end from run_start (else None:
+        # every step is step_s)
+        self.ratios: list[float] | None = None
+        self.ends: list[float] = []
 
 
 class Cluster:
-    def __init__(self, profile: Profile, deployment: Deployment, router: Router, scaler=None) -> None:
+    def __init__(self, profile: Profile, deployment: Deployment, router: Router, scaler=None, seed: int = 0) -> None:
         self.profile, self.deploy, self.router, self.scaler = profile, deployment, router, scaler
+        self.rng = random.Random(seed)  # the gap ratios' draws
+        self._drawn = bool(profile.decode_gap_ratios)
         d = deployment
         colocated = d.mode == "colocated"
         self.prefills = [] if colocated else [_Prefill(i, d.min_prefill is not None and i >= d.min_prefill)
@@ -282,11 +294,13 @@ class Cluster:
             self._next_prefill(replica)
 
     def _next_prefill(self, replica: _Prefill) -> None:
+        was = replica.busy
+        replica.busy = bool(replica.queue)
+        if self._drawn and replica.busy != was and replica.number < len(self.decodes):
+            self._cut(self.decodes[replica.number])  # the steps after this draw from the other ratios
         if not replica.queue:
-            replica.busy = False
             return
         request = replica.queue.popleft()
-        replica.busy = True
         new = request.input_len - request.cached_tokens
         seconds = self.profile.prefill_s(new, request.cached_tokens)
         if request.cached_tokens:  # layer l computes once its prefix's layer l is in (as prefill does)
@@ -346,14 +360,30 @@ class Cluster:
         replica.waiting.append(request)
         if not replica.running:
             self._tick(replica, replica.version)
-        elif replica.steps:  # joins at the next step boundary: the run is cut there
-            done = math.floor((self.now - replica.run_start) / replica.step_s + 1e-9)
-            if done < replica.steps:  # (else the run's own end is due now, and admits it)
-                replica.version += 1
-                boundary = replica.run_start + (done + 1) * replica.step_s
-                self._advance(replica, done + 1, boundary)
-                replica.steps = 0  # a tick at the boundary is coming: later arrivals wait for it
-                self._at(boundary, self._tick, replica, replica.version)
+        else:
+            self._cut(replica)  # joins at the next step boundary
+
+    def _step_end(self, replica: _Decode, steps: int) -> float:
+        """When the ``steps``-th step of the planned run ends."""
+        if replica.ratios is None:
+            return replica.run_start + steps * replica.step_s
+        return replica.run_start + (replica.ends[steps - 1] if steps else 0.0)
+
+    def _cut(self, replica: _Decode) -> None:
+        """End ``replica``'s run at its next step boundary, where a tick plans anew."""
+        if not replica.steps:  # idle, or a tick at a boundary is already coming
+            return
+        elapsed = self.now - replica.run_start
+        if replica.ratios is None:
+            done = math.floor(elapsed / replica.step_s + 1e-9)
+        else:
+            done = bisect.bisect_right(replica.ends, elapsed + 1e-9)
+        if done < replica.steps:  # (else the run's own end is due now, and plans anew)
+            replica.version += 1
+            boundary = self._step_end(replica, done + 1)
+            self._advance(replica, done + 1, boundary)
+            replica.steps = 0  # a tick at the boundary is coming: later arrivals wait for it
+            self._at(boundary, self._tick, replica, replica.version)
 
     def _advance(self, replica: _Decode, steps: int, until: float) -> None:
         """Account ``steps`` steps of the running batch (ending at ``until``): tokens and gaps
@@ -361,22 +391,38 @@ class Cluster:
         start: for one that just joined, its KV tail and the wait for the step boundary)."""
         if steps <= 0:
             return
-        gap = replica.step_s
+        if replica.ratios is None:
+            gaps = [replica.step_s] * steps
+        else:
+            gaps = [ratio * replica.step_s for ratio in replica.ratios[:steps]]
+            base = replica.ends[steps - 1]
+            replica.ratios, replica.ends = replica.ratios[steps:], [end - base for end in replica.ends[steps:]]
         for seq in replica.running:
-            seq.request.gaps.append(replica.run_start + gap - seq.last_s)
-            seq.request.gaps.extend([gap] * (steps - 1))
+            seq.request.gaps.append(replica.run_start + gaps[0] - seq.last_s)
+            seq.request.gaps.extend(gaps[1:])
             seq.left -= steps
             seq.context += steps
             seq.last_s = until
-        self.recent_tbt.append((until, gap))
+        self.recent_tbt.append((until, sum(gaps) / steps))
         replica.run_start, replica.steps = until, replica.steps - steps
+
+    def _plan(self, replica: _Decode, steps: int) -> float:
+        """Draw the run's steps' ratios (with the profile's gap ratios); the run's length."""
+        if not self._drawn:
+            replica.ratios = None
+            return steps * replica.step_s
+        beside = self.prefills[replica.number] if replica.number < len(self.prefills) else None
+        busy = beside is not None and beside.busy
+        replica.ratios = [self.profile.gap_ratio(busy, self.rng.random()) for _ in range(steps)]
+        replica.ends = list(itertools.accumulate(ratio * replica.step_s for ratio in replica.ratios))
+        return replica.ends[-1]
 
     def _tick(self, replica: _Decode, version: int) -> None:
         """The end of a run: apply its remaining steps, end what finished, admit, plan the next."""
         if version != replica.version:
             return
         if replica.running:
-            self._advance(replica, replica.steps, replica.run_start + replica.steps * replica.step_s)
+            self._advance(replica, replica.steps, self._step_end(replica, replica.steps))
             self._end_finished(replica)
         room = self.profile.max_batch - len(replica.running)
         while replica.waiting and room > 0:
@@ -389,7 +435,7 @@ class Cluster:
             mean_context = sum(seq.context for seq in replica.running) / len(replica.running) + steps / 2
             replica.step_s = self.profile.decode_step_s(len(replica.running), mean_context)
             replica.run_start, replica.steps = self.now, steps
-            self._at(self.now + steps * replica.step_s, self._tick, replica, replica.version)
+            self._at(self.now + self._plan(replica, steps), self._tick, replica, replica.version)
 
     def _end_finished(self, replica: _Decode | _Worker) -> None:
         """Take the sequences whose last token is out of ``replica``'s batch."""

@@ -14,13 +14,17 @@ moving 4 MiB chunks between two of its own endpoints on this machine (loopback),
 (the default topology: prefill on core 0, decode on core 1), sends it one request at a time
 (``--pipeline-lengths`` prompt tokens, 64 out) with ``pdflow bench serve``, and takes the median
 TTFT beyond what the profile alone predicts for that request, and the median gap between tokens
-beyond the bare decode step, as ``pipeline.prefill_overhead_s`` and ``decode_overhead_s``.
+beyond the bare decode step, as ``pipeline.prefill_overhead_s`` and ``decode_overhead_s``. Then,
+in the same pipeline, one long answer streams while prompts of those lengths come in one after
+another with pauses between them: the percentiles of its gaps over the profile's step, while a
+prompt prefills (``busy``) and while none does (``idle``), are ``pipeline.decode_gap_ratios``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import platform
 import sys
@@ -152,9 +156,75 @@ def pipeline_overheads(profile: dict, lengths: list[int], progress, output: int 
                 gap_extra += [gap - step for gap, step in zip(record["gaps_s"], alone.gaps)]
             progress.write(f"  {n} tokens: TTFT beyond the engine {statistics.median(ttft_extra) * 1e3:.0f} ms, "
                            f"a step beyond it {statistics.median(gap_extra) * 1e3:.2f} ms\n")
-    return {"prefill_overhead_s": max(0.0, statistics.median(ttft_extra)),
-            "decode_overhead_s": max(0.0, statistics.median(gap_extra)),
-            "measured": f"{len(ttft_extra)} requests of {', '.join(map(str, lengths))} tokens, one at a time"}
+        overheads = {"prefill_overhead_s": max(0.0, statistics.median(ttft_extra)),
+                     "decode_overhead_s": max(0.0, statistics.median(gap_extra))}
+        staged = Profile.from_dict({**profile, "pipeline": overheads})
+        progress.write("  an answer's gaps while prompts come in ...\n")
+        busy, idle = asyncio.run(gaps_beside_prefills(server.url, staged, lengths))
+    ratios = {"busy": percentiles(busy), "idle": percentiles(idle)}
+    progress.write(f"  gap / step: beside a prefill p50 {ratios['busy'][50]:.2f}, p99 {ratios['busy'][99]:.2f} "
+                   f"({len(busy)} gaps); alone p50 {ratios['idle'][50]:.2f}, p99 {ratios['idle'][99]:.2f} "
+                   f"({len(idle)} gaps)\n")
+    return {**overheads, "decode_gap_ratios": ratios,
+            "measured": f"{len(ttft_extra)} requests of {', '.join(map(str, lengths))} tokens, one at a time; "
+                        f"gap ratios over {len(busy)} gaps beside a prefill and {len(idle)} without"}
+
+
+def percentiles(xs: list[float]) -> list[float]:
+    """The 0th, 1st, ..., 100th percentiles of ``xs`` (at least two values)."""
+    import statistics
+
+    cuts = statistics.quantiles(xs, n=100, method="inclusive")
+    return [round(x, 4) for x in (min(xs), *cuts, max(xs))]
+
+
+async def gaps_beside_prefills(url: str, profile, lengths: list[int], rounds: int = 3, prompt: int = 128,
+                               pause_s: float = 1.0, first_id: int = 1000) -> tuple[list[float], list[float]]:
+    """One answer at a time streams while prompts of ``lengths`` tokens are sent one after another
+    (one token each, ``pause_s`` apart, ids no other prompt shares: nothing cached); each of its
+    gaps over ``profile``'s step at batch 1 and its context, split by whether a prompt was
+    prefilling then (sent, not yet answered) or not. The answer's first gap (its KV's arrival) is
+    left out; gaps are between chunks with text, as ``pdflow bench serve`` takes them."""
+    import httpx
+
+    busy: list[float] = []
+    idle: list[float] = []
+    fresh = itertools.count(first_id)
+
+    def ids(n: int) -> list[int]:
+        return [next(fresh) % 40000 + 1000 for _ in range(n)]
+
+    async def stream(client, prompt_ids: list[int], max_tokens: int) -> list[float]:
+        body = {"model": "smollm2", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        times = []
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
+            reply.raise_for_status()
+            async for line in reply.aiter_lines():  # the chunks with text, as bench serve times them
+                if line.startswith("data:") and "[DONE]" not in line:
+                    choices = json.loads(line[5:]).get("choices") or []
+                    if any(choice.get("text") for choice in choices):
+                        times.append(time.monotonic())
+        return times
+
+    expected = pause_s + sum(profile.prefill_s(n) + pause_s for n in lengths) + pause_s
+    tokens = int(expected / profile.decode_step_s(1, prompt + 256)) + 32
+    async with httpx.AsyncClient(timeout=600) as client:
+        for _ in range(rounds):
+            answer = asyncio.ensure_future(stream(client, ids(prompt), tokens))
+            windows = []
+            await asyncio.sleep(pause_s)
+            for n in lengths:
+                sent = time.monotonic()
+                first = await stream(client, ids(n), 1)
+                windows.append((sent, first[0]))
+                await asyncio.sleep(pause_s)
+            times = await answer
+            for i in range(2, len(times)):
+                start, end = times[i - 1], times[i]
+                ratio = (end - start) / profile.decode_step_s(1, prompt + i)
+                (busy if any(a < end and b > start for a, b in windows) else idle).append(ratio)
+    return busy, idle
 
 
 def _times(pdflow_times, loaded, args, context: int, prefill: dict[int, float]) -> dict:

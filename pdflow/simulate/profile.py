@@ -25,6 +25,14 @@ A profile is JSON::
   (``pdflow profile --pipeline``): ``prefill_overhead_s`` more per prefill (tokenizing, routing,
   the store's lease, the messages) and ``decode_overhead_s`` more per decode step (sampling,
   stop rules, the token messages to ingress and the client). 0 where not measured.
+  ``decode_gap_ratios``: ``{"busy": [...], "idle": [...]}``, the percentiles 0, 1, ..., 100 of a
+  running sequence's gap between tokens over the profile's step for its batch and context,
+  measured through the same pipeline while a prefill computes beside it (``busy``) and while none
+  does (``idle``): on a machine whose stages share cores, the CPU the other stages take when a
+  prompt comes in (receiving and forwarding its KV, routing, streaming) shows as longer and more
+  scattered gaps, which mean costs alone cannot give. The simulator draws each gap's ratio from
+  them (prefill replica *i* beside decode replica *i*, as one host holds one of each). Absent:
+  every gap is the step.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class Profile:
     source: str = ""
     prefill_overhead_s: float = 0.0
     decode_overhead_s: float = 0.0
+    decode_gap_ratios: dict[str, list[float]] = field(default_factory=dict)  # "busy"/"idle" -> 101 percentiles
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,6 +96,16 @@ class Profile:
         """One step of ``batch`` sequences of mean ``context`` tokens."""
         rows = [_interp(self.decode_batch, row, batch) for row in self.decode_seconds]
         return max(1e-6, _interp(self.decode_context, rows, context)) + self.decode_overhead_s
+
+    def gap_ratio(self, busy: bool, u: float) -> float:
+        """The ratio of a gap to the step at quantile ``u`` (0..1) of the measured distribution
+        (``busy``: beside a prefill); 1 without one."""
+        ratios = self.decode_gap_ratios.get("busy" if busy else "idle")
+        if not ratios:
+            return 1.0
+        x = u * (len(ratios) - 1)
+        i = min(int(x), len(ratios) - 2)
+        return ratios[i] + (ratios[i + 1] - ratios[i]) * (x - i)
 
     # --- files ------------------------------------------------------------------------------
 
@@ -116,6 +135,8 @@ class Profile:
                 source=str(raw.get("source", "")),
                 prefill_overhead_s=float(raw.get("pipeline", {}).get("prefill_overhead_s", 0.0)),
                 decode_overhead_s=float(raw.get("pipeline", {}).get("decode_overhead_s", 0.0)),
+                decode_gap_ratios={k: [float(x) for x in v]
+                                   for k, v in raw.get("pipeline", {}).get("decode_gap_ratios", {}).items()},
                 extra=dict(raw.get("extra", {})))
         except KeyError as exc:
             raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
@@ -131,7 +152,8 @@ class Profile:
                 "fetch_gbit_per_s": self.fetch_gbit_per_s, "replica_start_s": self.replica_start_s,
                 "max_batch": self.max_batch, "extra": self.extra,
                 "pipeline": {"prefill_overhead_s": self.prefill_overhead_s,
-                             "decode_overhead_s": self.decode_overhead_s}}
+                             "decode_overhead_s": self.decode_overhead_s,
+                             **({"decode_gap_ratios": self.decode_gap_ratios} if self.decode_gap_ratios else {})}}
 
     def _check(self) -> None:
         def rising(name: str, xs: list) -> None:
@@ -147,6 +169,11 @@ class Profile:
                 any(len(row) != len(self.decode_batch) or min(row) <= 0 for row in self.decode_seconds):
             raise ValueError(f"{self.name}: decode.seconds must be a row per decode.context, a positive time per "
                              "decode.batch")
+        for key, ratios in self.decode_gap_ratios.items():
+            if key not in ("busy", "idle") or len(ratios) < 2 or min(ratios) <= 0 or \
+                    any(b < a for a, b in zip(ratios, ratios[1:])):
+                raise ValueError(f"{self.name}: pipeline.decode_gap_ratios takes 'busy' and 'idle', each rising "
+                                 f"positive percentiles; {key!r} is {ratios[:3]}...")
         for name in ("layers", "kv_bytes_per_token", "link_gbit_per_s", "fetch_gbit_per_s", "max_batch"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{self.name}: {name} must be > 0, got {getattr(self, name)}")

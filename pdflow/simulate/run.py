@@ -42,20 +42,20 @@ def records_of(requests: list[SimRequest]) -> list[RequestRecord]:
 
 def simulate(requests: list[SimRequest], profile: Profile, deployment: Deployment, router: str = "round_robin",
              router_options: dict | None = None, scaler=None, slo_ttft_ms: float | None = None,
-             slo_tbt_ms: float | None = None) -> Outcome:
+             slo_tbt_ms: float | None = None, seed: int = 0) -> Outcome:
     """Run ``requests`` (replayed afresh: their outcomes are reset) through ``deployment``;
     ``router``: a pdflow router policy (or "module:Class") with ``router_options``; ``scaler``: a
     :class:`~pdflow.config.pipeline.ScalerConfig` (with ``deployment.min_prefill`` /
-    ``min_decode``) or None."""
+    ``min_decode``) or None; ``seed``: the draws of a profile's gap ratios."""
     from pdflow.routing import create
     from pdflow.runtime.scaler import Scaler
 
     for r in requests:
         r.cached_tokens = r.fetched_tokens = 0
-        r.first_token_s = r.done_s = None
+        r.first_token_s = r.done_s = r.kv_in_s = None
         r.gaps = []
     cluster = Cluster(profile, deployment, create(router, router_options),
-                      Scaler(scaler) if scaler is not None else None)
+                      Scaler(scaler) if scaler is not None else None, seed)
     cluster.run(requests, scaler.interval_s if scaler is not None else 1.0)
     records = records_of(requests)
     done = [r.done_s for r in requests if r.done_s is not None]
