@@ -176,7 +176,10 @@ def placed_actors() -> list[tuple[str, str]]:
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] != NAMESPACE:
             continue
-        node = ray.get(ray.get_actor(entry["name"], namespace=NAMESPACE).node.remote(), timeout=30)
+        try:
+            node = ray.get(ray.get_actor(entry["name"], namespace=NAMESPACE).node.remote(), timeout=30)
+        except (ValueError, ray.exceptions.RayActorError):  # it ended after the listing: not live
+            continue
         hosts = [name for name in resources_of[node] if name in PLACEMENT.values()]
         placed.append((entry["name"].split("@")[0], hosts[0] if hosts else "?"))
     return sorted(placed)
