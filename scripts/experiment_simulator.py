@@ -180,7 +180,7 @@ def main() -> int:
                 runs = measured(opts.out, "serve-colocated.json", (server.url, argv))
         for rate, run in zip(opts.rates.split(","), runs["runs"]):
             results.append(compare(f"colocated worker, mixed, {rate} req/s", run, colocated, opts.slo_ttft,
-                                   opts.slo_tbt, Deployment(mode="colocated", block_tokens=BLOCK)))  # (no draws)
+                                   opts.slo_tbt, Deployment(mode="colocated", block_tokens=BLOCK), seeds=opts.seeds))
     (opts.out / "comparison.json").write_text(json.dumps(results, indent=1))
     REPORT.write(opts.out / "summary.md")
     say(f"written: {opts.out / 'summary.md'}")

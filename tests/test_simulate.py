@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -378,3 +379,42 @@ def test_capacity_is_where_the_share_within_the_slos_falls_through_the_target():
     assert capacity([(10, 0.89), (20, 0.5)]) == (None, "below 10.0 (the lowest load run)")
     with pytest.raises(ValueError, match="no runs"):
         capacity([])
+
+
+def test_worker_ratios_stretch_the_colocated_worker_s_iterations(profile):
+    """With measured worker ratios (here: an iteration that prefills twice its prediction, a step
+    alone 1.5 times), the first token comes after twice the prefill and the step that follows it,
+    every later gap is 1.5 steps, and a prompt arriving mid-run still waits for the step boundary."""
+    stretched = Profile.from_dict({**PROFILE, "pipeline": {"worker_ratios": {"prefill": [2.0] * 101,
+                                                                             "decode": [1.5] * 101}}})
+    assert Profile.from_dict(stretched.to_dict()) == stretched
+    assert stretched.worker_ratio("prefill", 0.3) == 2.0 and profile.worker_ratio("decode", 0.3) == 1.0
+    r = request(0, 1.0, tokens=200, out=5)
+    simulate([r], stretched, Deployment(mode="colocated", block_tokens=100))
+    assert r.first_token_s == pytest.approx(1.0 + 2 * (stretched.prefill_s(200) + stretched.decode_step_s(1, 201)))
+    assert r.gaps == pytest.approx([0.0] + [1.5 * stretched.decode_step_s(1, 202 + 3 / 2)] * 3)
+    a, b = request(0, 0.0, tokens=100, out=200), request(1, 1.0, tokens=900, out=3, ids=list(range(50, 59)))
+    simulate([a, b], stretched, Deployment(mode="colocated", block_tokens=100))
+    stall = max(a.gaps)
+    assert stall == pytest.approx(2 * (stretched.prefill_s(900) + stretched.decode_step_s(2, a.gaps.index(stall) + 101)),
+                                  rel=0.05)
+    assert len(a.gaps) == 199 and b.first_token_s > 1.0 + 2 * stretched.prefill_s(900)
+    with pytest.raises(ValueError, match="worker_ratios"):
+        Profile.from_dict({**PROFILE, "pipeline": {"worker_ratios": {"busy": [1.0, 2.0]}}})
+
+
+def test_the_worker_s_iterations_are_measured_through_a_colocated_server(colocated_server):
+    """``pdflow profile --worker``: an answer streams through the real worker while a prompt comes
+    in; the gap that holds its prefill is found (a prefill is many steps long) and every other gap
+    is a step's."""
+    import asyncio
+
+    from pdflow.simulate.measure import worker_iterations
+
+    shipped = Profile.load(ROOT / "profiles" / "cpu-2core-smollm2-int4-2threads.json")
+    prefill, decode = asyncio.run(worker_iterations(colocated_server.url, shipped, [256, 512], rounds=1, prompt=16,
+                                                    pause_s=0.3, first_id=31_000))
+    assert len(prefill) == 2 and len(decode) > 20
+    step = statistics.median(decode) * shipped.decode_step_s(1, 100)  # a gap that is a step, in seconds
+    for n, ratio in zip([256, 512], prefill):  # the gap found holds many steps' time: a prefill's
+        assert ratio * (shipped.prefill_s(n) + shipped.decode_step_s(1, 100)) > 5 * step

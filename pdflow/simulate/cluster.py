@@ -178,6 +178,12 @@ class _Worker(_Replica):
         self.step_s = 0.0
         self.steps = 0  # planned decode-only steps of this run (0: an iteration, or idle)
         self.version = 0
+        # with drawn worker ratios (:attr:`Profile.worker_ratios`): this iteration's, whether it
+        # did prefill work, and a decode-only run's steps' ratios and ends (as _Decode's)
+        self.ratio = 1.0
+        self.prefilling_now = False
+        self.ratios: list[float] | None = None
+        self.ends: list[float] = []
 
 
 class _Decode(_Replica):
@@ -201,6 +207,7 @@ class Cluster:
         self.profile, self.deploy, self.router, self.scaler = profile, deployment, router, scaler
         self.rng = random.Random(seed)  # the gap ratios' draws
         self._drawn = bool(profile.decode_gap_ratios)
+        self._worker_drawn = bool(profile.worker_ratios)
         d = deployment
         colocated = d.mode == "colocated"
         self.prefills = [] if colocated else [_Prefill(i, d.min_prefill is not None and i >= d.min_prefill)
@@ -369,8 +376,9 @@ class Cluster:
             return replica.run_start + steps * replica.step_s
         return replica.run_start + (replica.ends[steps - 1] if steps else 0.0)
 
-    def _cut(self, replica: _Decode) -> None:
-        """End ``replica``'s run at its next step boundary, where a tick plans anew."""
+    def _cut(self, replica: _Decode | _Worker) -> None:
+        """End ``replica``'s run at its next step boundary, where a tick (a worker: an
+        iteration) plans anew."""
         if not replica.steps:  # idle, or a tick at a boundary is already coming
             return
         elapsed = self.now - replica.run_start
@@ -383,9 +391,10 @@ class Cluster:
             boundary = self._step_end(replica, done + 1)
             self._advance(replica, done + 1, boundary)
             replica.steps = 0  # a tick at the boundary is coming: later arrivals wait for it
-            self._at(boundary, self._tick, replica, replica.version)
+            then = self._iterate if isinstance(replica, _Worker) else self._tick
+            self._at(boundary, then, replica, replica.version)
 
-    def _advance(self, replica: _Decode, steps: int, until: float) -> None:
+    def _advance(self, replica: _Decode | _Worker, steps: int, until: float) -> None:
         """Account ``steps`` steps of the running batch (ending at ``until``): tokens and gaps
         (a sequence's first step here also covers what came between its last token and the run's
         start: for one that just joined, its KV tail and the wait for the step boundary)."""
@@ -404,16 +413,23 @@ class Cluster:
             seq.context += steps
             seq.last_s = until
         self.recent_tbt.append((until, sum(gaps) / steps))
-        replica.run_start, replica.steps = until, replica.steps - steps
+        replica.run_start, replica.steps = until, max(0, replica.steps - steps)
 
-    def _plan(self, replica: _Decode, steps: int) -> float:
-        """Draw the run's steps' ratios (with the profile's gap ratios); the run's length."""
-        if not self._drawn:
+    def _plan(self, replica: _Decode | _Worker, steps: int) -> float:
+        """Draw the run's steps' ratios (with the profile's gap ratios; a worker's decode-only
+        run: its decode ratios); the run's length."""
+        if isinstance(replica, _Worker):
+            draw = (lambda: self.profile.worker_ratio("decode", self.rng.random())) if self._worker_drawn else None
+        elif self._drawn:
+            beside = self.prefills[replica.number] if replica.number < len(self.prefills) else None
+            busy = beside is not None and beside.busy
+            draw = lambda: self.profile.gap_ratio(busy, self.rng.random())  # noqa: E731
+        else:
+            draw = None
+        if draw is None:
             replica.ratios = None
             return steps * replica.step_s
-        beside = self.prefills[replica.number] if replica.number < len(self.prefills) else None
-        busy = beside is not None and beside.busy
-        replica.ratios = [self.profile.gap_ratio(busy, self.rng.random()) for _ in range(steps)]
+        replica.ratios = [draw() for _ in range(steps)]
         replica.ends = list(itertools.accumulate(ratio * replica.step_s for ratio in replica.ratios))
         return replica.ends[-1]
 
@@ -464,31 +480,9 @@ class Cluster:
         if not w.busy:
             self._iterate(w, w.version)
         elif w.steps:  # a decode-only run: cut at the next step boundary, where an iteration starts
-            steps = max(1, math.floor((self.now - w.run_start) / w.step_s + 1e-9) + 1)
-            if steps <= w.steps:
-                w.version += 1
-                boundary = w.run_start + steps * w.step_s
-                self._worker_steps(w, steps, w.step_s)
-                w.steps = 0
-                self._at(boundary, self._iterate, w, w.version)
+            self._cut(w)
         # else: in an iteration's prefill work, which reads the queue as it goes (it is taken
         # there), or in its decode step (the next iteration takes it)
-
-    def _worker_steps(self, w: _Worker, steps: int, step_s: float) -> None:
-        """``steps`` decode steps of ``w``'s batch from ``w.run_start``: tokens and their gaps
-        (the first also waits for whatever came between it and the sequence's last token)."""
-        if steps <= 0:
-            return
-        for seq in w.running:
-            first = w.run_start + step_s - seq.last_s
-            seq.request.gaps.append(first)
-            seq.request.gaps.extend([step_s] * (steps - 1))
-            seq.left -= steps
-            seq.context += steps
-            seq.last_s = w.run_start + steps * step_s
-        self.recent_tbt.append((w.run_start + steps * step_s, step_s))
-        w.run_start += steps * step_s
-        w.steps = max(0, w.steps - steps)
 
     def _iterate(self, w: _Worker, version: int) -> None:
         """The start of a pass of the worker's loop at ``now``: end what finished, then the
@@ -497,10 +491,12 @@ class Cluster:
             return
         w.version += 1
         if w.steps:  # the end of a decode-only run
-            self._worker_steps(w, w.steps, w.step_s)
+            self._advance(w, w.steps, self._step_end(w, w.steps))
         self._end_finished(w)
         w.busy = True
         w.budget = self.deploy.chunked_prefill_tokens or None
+        w.ratio = self.profile.worker_ratio("prefill", self.rng.random()) if self._worker_drawn else 1.0
+        w.prefilling_now = False
         self._prefill_work(w, w.version)
 
     def _prefill_work(self, w: _Worker, version: int) -> None:
@@ -529,6 +525,8 @@ class Cluster:
         seconds = self.profile.prefill_s(k, cached + w.prefilled)
         if w.prefilled:  # a later chunk of a prompt: one forward pass's overhead was paid by the first
             seconds -= self.profile.prefill_overhead_s
+        seconds *= w.ratio
+        w.prefilling_now = True
         w.prefilled += k
         if w.budget is not None:
             w.budget -= k
@@ -556,21 +554,24 @@ class Cluster:
             return
         mean_context = sum(seq.context for seq in w.running) / len(w.running)
         step_s = self.profile.decode_step_s(len(w.running), mean_context)
-        w.run_start, w.step_s = t, step_s
         if joined or w.waiting:  # one step, then the next iteration
+            if self._worker_drawn:  # the iteration's ratio where it prefilled, else a step's
+                step_s *= w.ratio if w.prefilling_now else self.profile.worker_ratio("decode", self.rng.random())
+            w.run_start, w.step_s, w.ratios = t, step_s, None
             for seq in new:
                 seq.last_s = t + step_s
             for request in joined:
                 self._first_token(request, t + step_s)
                 if request.output_len <= 1:
                     self._finish(w, request, t + step_s)
-            self._worker_steps(w, 1, step_s)
+            self._advance(w, 1, t + step_s)
             self._at(t + step_s, self._iterate, w, w.version)
         else:  # nothing to prefill: steps up to the next end, cut if a prompt arrives
             steps = min(seq.left for seq in w.running)
+            w.run_start = t
             w.step_s = self.profile.decode_step_s(len(w.running), mean_context + steps / 2)
             w.steps = steps
-            self._at(t + steps * w.step_s, self._iterate, w, w.version)
+            self._at(t + self._plan(w, steps), self._iterate, w, w.version)
 
     def _first_token(self, request: SimRequest, at: float) -> None:
         request.first_token_s = at

@@ -18,12 +18,19 @@ beyond the bare decode step, as ``pipeline.prefill_overhead_s`` and ``decode_ove
 in the same pipeline, one long answer streams while prompts of those lengths come in one after
 another with pauses between them: the percentiles of its gaps over the profile's step, while a
 prompt prefills (``busy``) and while none does (``idle``), are ``pipeline.decode_gap_ratios``.
+
+``--worker`` measures the same for the colocated worker (profile it with ``--threads 2``, as it
+runs): a real colocated server streams one long answer while prompts of ``--worker-lengths``
+tokens come in one after another; the percentiles of the answer's gap that holds a prompt's
+prefill over what the profile predicts for it (the prefill and a step), and of its other gaps
+over the step, are ``pipeline.worker_ratios`` (``prefill``, ``decode``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import platform
@@ -54,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure the stages' own overhead through a real pipeline (a minute more)")
     p.add_argument("--pipeline-lengths", type=int, nargs="+", default=[128, 512, 1024],
                    help="prompt lengths sent through it (default: 128 512 1024)")
+    p.add_argument("--worker", action="store_true",
+                   help="also measure the colocated worker's iterations through a real colocated server (a minute more)")
+    p.add_argument("--worker-lengths", type=int, nargs="+", default=[128, 256, 384, 512, 640, 768, 896, 1024],
+                   help="prompt lengths sent to it (default: 128 to 1024 in steps of 128)")
 
 
 def tcp_gbit_per_s(chunk: int = 4 << 20, count: int = 64) -> float:
@@ -117,10 +128,14 @@ def main(args: argparse.Namespace, progress=None) -> int:
         "link": {"gbit_per_s": round(link, 2), "latency_s": 0.0}, "fetch_gbit_per_s": round(link, 2),
         "replica_start_s": args.replica_start_s, "max_batch": args.max_batch,
     }
-    if args.pipeline:
+    if args.pipeline or args.worker:
         del loaded
+    if args.pipeline:
         progress.write("the stages' overhead, through a real pipeline ...\n")
         profile["pipeline"] = pipeline_overheads(profile, args.pipeline_lengths, progress)
+    if args.worker:
+        progress.write("the colocated worker's iterations, through a real colocated server ...\n")
+        profile.setdefault("pipeline", {})["worker_ratios"] = worker_ratios(profile, args.worker_lengths, progress)
     args.out.write_text(json.dumps(profile, indent=2) + "\n")
     progress.write(f"wrote {args.out}\n")
     return 0
@@ -189,23 +204,10 @@ async def gaps_beside_prefills(url: str, profile, lengths: list[int], rounds: in
 
     busy: list[float] = []
     idle: list[float] = []
-    fresh = itertools.count(first_id)
+    ids = _fresh_ids(first_id)
 
-    def ids(n: int) -> list[int]:
-        return [next(fresh) % 40000 + 1000 for _ in range(n)]
-
-    async def stream(client, prompt_ids: list[int], max_tokens: int) -> list[float]:
-        body = {"model": "smollm2", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        times = []
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
-            reply.raise_for_status()
-            async for line in reply.aiter_lines():  # the chunks with text, as bench serve times them
-                if line.startswith("data:") and "[DONE]" not in line:
-                    choices = json.loads(line[5:]).get("choices") or []
-                    if any(choice.get("text") for choice in choices):
-                        times.append(time.monotonic())
-        return times
+    def stream(client, prompt_ids: list[int], max_tokens: int):
+        return _stream(client, url, prompt_ids, max_tokens)
 
     expected = pause_s + sum(profile.prefill_s(n) + pause_s for n in lengths) + pause_s
     tokens = int(expected / profile.decode_step_s(1, prompt + 256)) + 32
@@ -225,6 +227,93 @@ async def gaps_beside_prefills(url: str, profile, lengths: list[int], rounds: in
                 ratio = (end - start) / profile.decode_step_s(1, prompt + i)
                 (busy if any(a < end and b > start for a, b in windows) else idle).append(ratio)
     return busy, idle
+
+
+def worker_ratios(profile: dict, lengths: list[int], progress) -> dict:
+    """``pipeline.worker_ratios``: :func:`worker_iterations` through a real colocated server
+    (pdflow's colocated topology, the worker on both cores), against ``profile``'s costs."""
+    import tempfile
+
+    from pdflow.simulate.profile import Profile
+    from pdflow.testing.server import PdflowServer
+
+    bare = Profile.from_dict({**profile, "pipeline": {}})
+    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), mode="colocated") as server:
+        prefill, decode = asyncio.run(worker_iterations(server.url, bare, lengths))
+    ratios = {"prefill": percentiles(prefill), "decode": percentiles(decode)}
+    progress.write(f"  an iteration that prefills over its prediction: p50 {ratios['prefill'][50]:.2f}, p90 "
+                   f"{ratios['prefill'][90]:.2f} ({len(prefill)} prompts); a step alone p50 {ratios['decode'][50]:.2f}, "
+                   f"p99 {ratios['decode'][99]:.2f} ({len(decode)} steps)\n")
+    return ratios
+
+
+async def worker_iterations(url: str, profile, lengths: list[int], rounds: int = 4, prompt: int = 128,
+                            pause_s: float = 0.5, first_id: int = 5000) -> tuple[list[float], list[float]]:
+    """Through a colocated worker at ``url``: one answer at a time streams while prompts of
+    ``lengths`` tokens are sent one after another (one token each, ``pause_s`` apart, nothing
+    cached). The worker prefills a prompt between two of the answer's steps, so one of the
+    answer's gaps holds it: the longest of those from the prompt's sending to its first token
+    (a prefill is many steps long). The answer is cut a pause after the last prompt. Returns that
+    gap over ``profile``'s prefill of the prompt and a step at batch 1, for every prompt, and
+    each other gap over the step (the answer's first gap, which holds its own prefill, left out)."""
+    import httpx
+
+    prefill: list[float] = []
+    decode: list[float] = []
+    ids = _fresh_ids(first_id)
+    expected = pause_s + sum(profile.prefill_s(n) + profile.decode_step_s(1, prompt) + pause_s for n in lengths)
+    tokens = 2 * int(expected / profile.decode_step_s(1, prompt)) + 32  # more than it will have time for
+    async with httpx.AsyncClient(timeout=600) as client:
+        for _ in range(rounds):
+            times: list[float] = []
+            answer = asyncio.ensure_future(_stream(client, url, ids(prompt), tokens, times))
+            windows = []
+            await asyncio.sleep(pause_s)
+            for n in lengths:
+                sent = time.monotonic()
+                first = await _stream(client, url, ids(n), 1)
+                if first:  # (a token that ends mid-character has no text)
+                    windows.append((n, sent, first[0]))
+                await asyncio.sleep(pause_s)
+            answer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await answer
+            held = {}
+            for n, sent, at in windows:
+                inside = [k for k in range(2, len(times)) if times[k] > sent and times[k - 1] < at]
+                if inside:
+                    held[max(inside, key=lambda k: times[k] - times[k - 1])] = n
+            for i in range(2, len(times)):
+                gap, step = times[i] - times[i - 1], profile.decode_step_s(1, prompt + i)
+                if i in held:
+                    prefill.append(gap / (profile.prefill_s(held[i]) + step))
+                else:
+                    decode.append(gap / step)
+    return prefill, decode
+
+
+def _fresh_ids(first_id: int):
+    """Prompts of token ids no other prompt of this measurement shares (nothing cached)."""
+    fresh = itertools.count(first_id)
+    return lambda n: [next(fresh) % 40000 + 1000 for _ in range(n)]
+
+
+async def _stream(client, url: str, prompt_ids: list[int], max_tokens: int,
+                  times: list[float] | None = None) -> list[float]:
+    """A greedy completion streamed from ``url``: when each chunk with text came (as ``pdflow
+    bench serve`` times them), appended to ``times`` as they come (so a cancelled stream leaves
+    what it had)."""
+    body = {"model": "smollm2", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    times = [] if times is None else times
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                choices = json.loads(line[5:]).get("choices") or []
+                if any(choice.get("text") for choice in choices):
+                    times.append(time.monotonic())
+    return times
 
 
 def _times(pdflow_times, loaded, args, context: int, prefill: dict[int, float]) -> dict:

@@ -33,6 +33,13 @@ A profile is JSON::
   scattered gaps, which mean costs alone cannot give. The simulator draws each gap's ratio from
   them (prefill replica *i* beside decode replica *i*, as one host holds one of each). Absent:
   every gap is the step.
+  ``worker_ratios``: ``{"prefill": [...], "decode": [...]}``, the same for the colocated worker
+  (``pdflow profile --worker``, through a real colocated server): the percentiles of an
+  iteration's time over what the profile predicts for it, an iteration that prefills a prompt
+  (its prefill and the decode step after it, one gap of a running answer) and a decode step
+  alone. The worker's costs scatter more than its mean (the prompt's blocks kept in its cache,
+  ingress on the same cores), and which prompt arrives before a batch ends turns on it. The
+  simulator draws each iteration's ratio from them. Absent: every iteration as predicted.
 """
 
 from __future__ import annotations
@@ -42,6 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["Profile"]
+
+
+def _quantile(ratios: list[float] | None, u: float) -> float:
+    """Linear between the percentiles ``ratios`` at quantile ``u`` (0..1); 1 without them."""
+    if not ratios:
+        return 1.0
+    x = u * (len(ratios) - 1)
+    i = min(int(x), len(ratios) - 2)
+    return ratios[i] + (ratios[i + 1] - ratios[i]) * (x - i)
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -72,6 +88,7 @@ class Profile:
     prefill_overhead_s: float = 0.0
     decode_overhead_s: float = 0.0
     decode_gap_ratios: dict[str, list[float]] = field(default_factory=dict)  # "busy"/"idle" -> 101 percentiles
+    worker_ratios: dict[str, list[float]] = field(default_factory=dict)  # "prefill"/"decode" -> 101 percentiles
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,12 +117,13 @@ class Profile:
     def gap_ratio(self, busy: bool, u: float) -> float:
         """The ratio of a gap to the step at quantile ``u`` (0..1) of the measured distribution
         (``busy``: beside a prefill); 1 without one."""
-        ratios = self.decode_gap_ratios.get("busy" if busy else "idle")
-        if not ratios:
-            return 1.0
-        x = u * (len(ratios) - 1)
-        i = min(int(x), len(ratios) - 2)
-        return ratios[i] + (ratios[i + 1] - ratios[i]) * (x - i)
+        return _quantile(self.decode_gap_ratios.get("busy" if busy else "idle"), u)
+
+    def worker_ratio(self, kind: str, u: float) -> float:
+        """The colocated worker's ratio of an iteration's time to its prediction at quantile
+        ``u`` (``kind``: "prefill", an iteration that prefills, or "decode", a step alone); 1
+        without one."""
+        return _quantile(self.worker_ratios.get(kind), u)
 
     # --- files ------------------------------------------------------------------------------
 
@@ -137,6 +155,8 @@ class Profile:
                 decode_overhead_s=float(raw.get("pipeline", {}).get("decode_overhead_s", 0.0)),
                 decode_gap_ratios={k: [float(x) for x in v]
                                    for k, v in raw.get("pipeline", {}).get("decode_gap_ratios", {}).items()},
+                worker_ratios={k: [float(x) for x in v]
+                               for k, v in raw.get("pipeline", {}).get("worker_ratios", {}).items()},
                 extra=dict(raw.get("extra", {})))
         except KeyError as exc:
             raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
@@ -153,7 +173,8 @@ class Profile:
                 "max_batch": self.max_batch, "extra": self.extra,
                 "pipeline": {"prefill_overhead_s": self.prefill_overhead_s,
                              "decode_overhead_s": self.decode_overhead_s,
-                             **({"decode_gap_ratios": self.decode_gap_ratios} if self.decode_gap_ratios else {})}}
+                             **({"decode_gap_ratios": self.decode_gap_ratios} if self.decode_gap_ratios else {}),
+                             **({"worker_ratios": self.worker_ratios} if self.worker_ratios else {})}}
 
     def _check(self) -> None:
         def rising(name: str, xs: list) -> None:
@@ -169,11 +190,13 @@ class Profile:
                 any(len(row) != len(self.decode_batch) or min(row) <= 0 for row in self.decode_seconds):
             raise ValueError(f"{self.name}: decode.seconds must be a row per decode.context, a positive time per "
                              "decode.batch")
-        for key, ratios in self.decode_gap_ratios.items():
-            if key not in ("busy", "idle") or len(ratios) < 2 or min(ratios) <= 0 or \
-                    any(b < a for a, b in zip(ratios, ratios[1:])):
-                raise ValueError(f"{self.name}: pipeline.decode_gap_ratios takes 'busy' and 'idle', each rising "
-                                 f"positive percentiles; {key!r} is {ratios[:3]}...")
+        for name, table, keys in (("decode_gap_ratios", self.decode_gap_ratios, ("busy", "idle")),
+                                  ("worker_ratios", self.worker_ratios, ("prefill", "decode"))):
+            for key, ratios in table.items():
+                if key not in keys or len(ratios) < 2 or min(ratios) <= 0 or \
+                        any(b < a for a, b in zip(ratios, ratios[1:])):
+                    raise ValueError(f"{self.name}: pipeline.{name} takes {keys[0]!r} and {keys[1]!r}, each rising "
+                                     f"positive percentiles; {key!r} is {ratios[:3]}...")
         for name in ("layers", "kv_bytes_per_token", "link_gbit_per_s", "fetch_gbit_per_s", "max_batch"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{self.name}: {name} must be > 0, got {getattr(self, name)}")
