@@ -43,8 +43,10 @@ What is modelled, and how:
   the worker reads its queue as it goes), then one decode step for the batch with the prompts just
   prefilled in it; only then do those prompts' first tokens go out, together with the step's. A
   running sequence's gap between tokens includes the prefill work done between its steps. With
-  nothing to prefill, steps run back to back. Routed as stage ``worker``, whose stores a router
-  that asks is told about.
+  nothing to prefill, steps run back to back. With the profile's ``worker_ratios`` each
+  iteration that prefills takes its prediction times a ratio drawn from their ``prefill``
+  percentiles, and each other step the step times one from ``decode``. Routed as stage
+  ``worker``, whose stores a router that asks is told about.
 - **The scaler**: pdflow's :class:`~pdflow.runtime.scaler.Scaler` decides every ``interval_s``
   from the same :class:`~pdflow.runtime.scaler.Load` the launcher builds (running replicas,
   prefill's queue, decode's batch, TTFT and TBT p90 over ``window_s``); a started replica is ready
