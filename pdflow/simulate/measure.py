@@ -240,6 +240,9 @@ def worker_ratios(profile: dict, lengths: list[int], progress) -> dict:
     bare = Profile.from_dict({**profile, "pipeline": {}})
     with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), mode="colocated") as server:
         prefill, decode = asyncio.run(worker_iterations(server.url, bare, lengths))
+    if len(prefill) < 2 or len(decode) < 2:
+        raise RuntimeError(f"the worker's iterations: {len(prefill)} prefills and {len(decode)} steps found in the "
+                           "answer's gaps (at least two of each are needed; give more --worker-lengths)")
     ratios = {"prefill": percentiles(prefill), "decode": percentiles(decode)}
     progress.write(f"  an iteration that prefills over its prediction: p50 {ratios['prefill'][50]:.2f}, p90 "
                    f"{ratios['prefill'][90]:.2f} ({len(prefill)} prompts); a step alone p50 {ratios['decode'][50]:.2f}, "
