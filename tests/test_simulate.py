@@ -384,7 +384,8 @@ def test_capacity_is_where_the_share_within_the_slos_falls_through_the_target():
 def test_worker_ratios_stretch_the_colocated_worker_s_iterations(profile):
     """With measured worker ratios (here: an iteration that prefills twice its prediction, a step
     alone 1.5 times), the first token comes after twice the prefill and the step that follows it,
-    every later gap is 1.5 steps, and a prompt arriving mid-run still waits for the step boundary."""
+    every later gap is 1.5 steps, and a prompt arriving mid-answer stalls it for twice its prefill
+    and a step."""
     stretched = Profile.from_dict({**PROFILE, "pipeline": {"worker_ratios": {"prefill": [2.0] * 101,
                                                                              "decode": [1.5] * 101}}})
     assert Profile.from_dict(stretched.to_dict()) == stretched

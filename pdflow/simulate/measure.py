@@ -206,19 +206,16 @@ async def gaps_beside_prefills(url: str, profile, lengths: list[int], rounds: in
     idle: list[float] = []
     ids = _fresh_ids(first_id)
 
-    def stream(client, prompt_ids: list[int], max_tokens: int):
-        return _stream(client, url, prompt_ids, max_tokens)
-
     expected = pause_s + sum(profile.prefill_s(n) + pause_s for n in lengths) + pause_s
     tokens = int(expected / profile.decode_step_s(1, prompt + 256)) + 32
     async with httpx.AsyncClient(timeout=600) as client:
         for _ in range(rounds):
-            answer = asyncio.ensure_future(stream(client, ids(prompt), tokens))
+            answer = asyncio.ensure_future(_stream(client, url, ids(prompt), tokens))
             windows = []
             await asyncio.sleep(pause_s)
             for n in lengths:
                 sent = time.monotonic()
-                first = await stream(client, ids(n), 1)
+                first = await _stream(client, url, ids(n), 1)
                 windows.append((sent, first[0]))
                 await asyncio.sleep(pause_s)
             times = await answer
