@@ -381,27 +381,39 @@ def test_capacity_is_where_the_share_within_the_slos_falls_through_the_target():
         capacity([])
 
 
-def test_worker_ratios_stretch_the_colocated_worker_s_iterations(profile):
-    """With measured worker ratios (here: an iteration that prefills twice its prediction, a step
-    alone 1.5 times), the first token comes after twice the prefill and the step that follows it,
-    every later gap is 1.5 steps, and a prompt arriving mid-answer stalls it for twice its prefill
-    and a step."""
-    stretched = Profile.from_dict({**PROFILE, "pipeline": {"worker_ratios": {"prefill": [2.0] * 101,
-                                                                             "decode": [1.5] * 101}}})
+def test_the_worker_s_ratios_and_step_extras_stretch_its_iterations(profile):
+    """With a measured ratio for the worker's iterations that prefill (here twice the
+    prediction) and extras for its steps alone (5 ms at batch 1, 11 ms at batch 3: 2 ms a fixed
+    cost and 3 ms a sequence), the first token comes after twice the prefill and the step that
+    follows it, every later gap alone is the step and 5 ms, and a prompt arriving mid-answer
+    stalls it for twice its prefill and a step, after which both step at batch 2 with 8 ms."""
+    stretched = Profile.from_dict({**PROFILE, "pipeline": {"worker_ratios": {"prefill": [2.0] * 101},
+                                                           "worker_step_extra_s": {"1": [0.005] * 101,
+                                                                                   "3": [0.011] * 101}}})
     assert Profile.from_dict(stretched.to_dict()) == stretched
-    assert stretched.worker_ratio("prefill", 0.3) == 2.0 and profile.worker_ratio("decode", 0.3) == 1.0
+    assert stretched.worker_ratio(0.3) == 2.0 and profile.worker_ratio(0.3) == 1.0
+    assert [stretched.worker_step_extra(b, 0.5) for b in (1, 2, 3, 11)] == pytest.approx([0.005, 0.008, 0.011, 0.035])
+    assert profile.worker_step_extra(4, 0.5) == 0.0
     r = request(0, 1.0, tokens=200, out=5)
     simulate([r], stretched, Deployment(mode="colocated", block_tokens=100))
     assert r.first_token_s == pytest.approx(1.0 + 2 * (stretched.prefill_s(200) + stretched.decode_step_s(1, 201)))
-    assert r.gaps == pytest.approx([0.0] + [1.5 * stretched.decode_step_s(1, 202 + 3 / 2)] * 3)
+    assert r.gaps == pytest.approx([0.0] + [stretched.decode_step_s(1, 202 + 3 / 2) + 0.005] * 3)
     a, b = request(0, 0.0, tokens=100, out=200), request(1, 1.0, tokens=900, out=3, ids=list(range(50, 59)))
     simulate([a, b], stretched, Deployment(mode="colocated", block_tokens=100))
     stall = max(a.gaps)
-    assert stall == pytest.approx(2 * (stretched.prefill_s(900) + stretched.decode_step_s(2, a.gaps.index(stall) + 101)),
-                                  rel=0.05)
+    at = a.gaps.index(stall)
+    assert stall == pytest.approx(2 * (stretched.prefill_s(900) + stretched.decode_step_s(2, at + 101)), rel=0.05)
     assert len(a.gaps) == 199 and b.first_token_s > 1.0 + 2 * stretched.prefill_s(900)
+    assert b.gaps == pytest.approx([0.0, stretched.decode_step_s(2, (at + 102 + 902) / 2) + 0.008], rel=0.01)
+    assert a.gaps[at + 1] == pytest.approx(b.gaps[1])
+    with pytest.raises(ValueError, match="worker_step_extra_s"):  # a step alone's ratio was replaced
+        Profile.from_dict({**PROFILE, "pipeline": {"worker_ratios": {"decode": [1.0, 2.0]}}})
     with pytest.raises(ValueError, match="worker_ratios"):
-        Profile.from_dict({**PROFILE, "pipeline": {"worker_ratios": {"busy": [1.0, 2.0]}}})
+        Profile.from_dict({**PROFILE, "pipeline": {"worker_ratios": {"prefill": [2.0, 1.0]}}})
+    with pytest.raises(ValueError, match="batch sizes > 0"):
+        Profile.from_dict({**PROFILE, "pipeline": {"worker_step_extra_s": {"0": [0.0, 0.1]}}})
+    with pytest.raises(ValueError, match=r"worker_step_extra_s\['4'\] must be rising percentiles"):
+        Profile.from_dict({**PROFILE, "pipeline": {"worker_step_extra_s": {"4": [0.1, -0.1]}}})
 
 
 def test_the_worker_s_iterations_are_measured_through_a_colocated_server(colocated_server):
@@ -419,3 +431,20 @@ def test_the_worker_s_iterations_are_measured_through_a_colocated_server(colocat
     step = statistics.median(decode) * shipped.decode_step_s(1, 100)  # a gap that is a step, in seconds
     for n, ratio in zip([256, 512], prefill):  # the gap found holds many steps' time: a prefill's
         assert ratio * (shipped.prefill_s(n) + shipped.decode_step_s(1, 100)) > 5 * step
+
+
+def test_the_worker_s_steps_are_measured_through_a_colocated_server(colocated_server):
+    """``pdflow profile --worker``, its steps alone: two answers stream together through the real
+    worker; the first one's gaps while both run (its own first gap, which holds the prefills, left
+    out) are steps of batch 2, each returned as its time beyond the profile's step."""
+    import asyncio
+
+    from pdflow.simulate.measure import worker_steps
+
+    shipped = Profile.load(ROOT / "profiles" / "cpu-2core-smollm2-int4-2threads.json")
+    extra = asyncio.run(worker_steps(colocated_server.url, shipped, 2, tokens=40, prompt=16, rounds=1,
+                                     first_id=33_000))
+    step = shipped.decode_step_s(2, 40)
+    gaps = [step + e for e in extra]
+    assert 20 <= len(gaps) <= 38 and min(gaps) > 0
+    assert 0.2 * step < statistics.median(gaps) < 5 * step  # a step, not a prefill's many

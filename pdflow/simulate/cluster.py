@@ -44,8 +44,9 @@ What is modelled, and how:
   prefilled in it; only then do those prompts' first tokens go out, together with the step's. A
   running sequence's gap between tokens includes the prefill work done between its steps. With
   nothing to prefill, steps run back to back. With the profile's ``worker_ratios`` each
-  iteration that prefills takes its prediction times a ratio drawn from their ``prefill``
-  percentiles, and each other step the step times one from ``decode``. Routed as stage
+  iteration that prefills takes its prediction times a ratio drawn from them, and with its
+  ``worker_step_extra_s`` each other step the step and an extra drawn for its batch size
+  (:meth:`Profile.worker_step_extra`). Routed as stage
   ``worker``, whose stores a router that asks is told about.
 - **The scaler**: pdflow's :class:`~pdflow.runtime.scaler.Scaler` decides every ``interval_s``
   from the same :class:`~pdflow.runtime.scaler.Load` the launcher builds (running replicas,
@@ -180,7 +181,7 @@ class _Worker(_Replica):
         self.step_s = 0.0
         self.steps = 0  # planned decode-only steps of this run (0: an iteration, or idle)
         self.version = 0
-        # with drawn worker ratios (:attr:`Profile.worker_ratios`): this iteration's, whether it
+        # with the profile's worker ratios (:attr:`Profile.worker_ratios`): this iteration's, whether it
         # did prefill work, and a decode-only run's steps' ratios and ends (as _Decode's)
         self.ratio = 1.0
         self.prefilling_now = False
@@ -209,7 +210,8 @@ class Cluster:
         self.profile, self.deploy, self.router, self.scaler = profile, deployment, router, scaler
         self.rng = random.Random(seed)  # the gap ratios' draws
         self._drawn = bool(profile.decode_gap_ratios)
-        self._worker_drawn = bool(profile.worker_ratios)
+        self._worker_ratios = bool(profile.worker_ratios)
+        self._worker_extras = bool(profile.worker_step_extra_s)
         d = deployment
         colocated = d.mode == "colocated"
         self.prefills = [] if colocated else [_Prefill(i, d.min_prefill is not None and i >= d.min_prefill)
@@ -419,9 +421,10 @@ class Cluster:
 
     def _plan(self, replica: _Decode | _Worker, steps: int) -> float:
         """Draw the run's steps' ratios (with the profile's gap ratios; a worker's decode-only
-        run: its decode ratios); the run's length."""
+        run: with its step extras); the run's length."""
         if isinstance(replica, _Worker):
-            draw = (lambda: self.profile.worker_ratio("decode", self.rng.random())) if self._worker_drawn else None
+            batch = len(replica.running)
+            draw = (lambda: self._worker_step_ratio(batch, replica.step_s)) if self._worker_extras else None
         elif self._drawn:
             beside = self.prefills[replica.number] if replica.number < len(self.prefills) else None
             busy = beside is not None and beside.busy
@@ -497,7 +500,7 @@ class Cluster:
         self._end_finished(w)
         w.busy = True
         w.budget = self.deploy.chunked_prefill_tokens or None
-        w.ratio = self.profile.worker_ratio("prefill", self.rng.random()) if self._worker_drawn else 1.0
+        w.ratio = self.profile.worker_ratio(self.rng.random()) if self._worker_ratios else 1.0
         w.prefilling_now = False
         self._prefill_work(w, w.version)
 
@@ -557,8 +560,10 @@ class Cluster:
         mean_context = sum(seq.context for seq in w.running) / len(w.running)
         step_s = self.profile.decode_step_s(len(w.running), mean_context)
         if joined or w.waiting:  # one step, then the next iteration
-            if self._worker_drawn:  # the iteration's ratio where it prefilled, else a step's
-                step_s *= w.ratio if w.prefilling_now else self.profile.worker_ratio("decode", self.rng.random())
+            if w.prefilling_now and self._worker_ratios:  # the iteration's ratio where it prefilled
+                step_s *= w.ratio
+            elif self._worker_extras:  # else a step alone's extra
+                step_s *= self._worker_step_ratio(len(w.running), step_s)
             w.run_start, w.step_s, w.ratios = t, step_s, None
             for seq in new:
                 seq.last_s = t + step_s
@@ -574,6 +579,12 @@ class Cluster:
             w.step_s = self.profile.decode_step_s(len(w.running), mean_context + steps / 2)
             w.steps = steps
             self._at(t + self._plan(w, steps), self._iterate, w, w.version)
+
+    def _worker_step_ratio(self, batch: int, step_s: float) -> float:
+        """A worker's step alone of ``batch`` sequences with a drawn extra
+        (:meth:`Profile.worker_step_extra`) over the bare ``step_s``."""
+        extra = self.profile.worker_step_extra(batch, self.rng.random())
+        return max(1e-6, step_s + extra) / step_s
 
     def _first_token(self, request: SimRequest, at: float) -> None:
         request.first_token_s = at

@@ -19,11 +19,13 @@ in the same pipeline, one long answer streams while prompts of those lengths com
 another with pauses between them: the percentiles of its gaps over the profile's step, while a
 prompt prefills (``busy``) and while none does (``idle``), are ``pipeline.decode_gap_ratios``.
 
-``--worker`` measures the same for the colocated worker (profile it with ``--threads 2``, as it
-runs): a real colocated server streams one long answer while prompts of ``--worker-lengths``
-tokens come in one after another; the percentiles of the answer's gap that holds a prompt's
-prefill over what the profile predicts for it (the prefill and a step), and of its other gaps
-over the step, are ``pipeline.worker_ratios`` (``prefill``, ``decode``).
+``--worker`` measures the colocated worker (profile it with ``--threads 2``, as it runs): a real
+colocated server streams one long answer while prompts of ``--worker-lengths`` tokens come in
+one after another, and the percentiles of the answer's gap that holds a prompt's prefill over
+what the profile predicts for it (the prefill and a step) are ``pipeline.worker_ratios``; then
+``--worker-batches`` answers at a time stream with nothing else coming in, and the percentiles of
+the seconds a step takes beyond the profile's step at that batch are
+``pipeline.worker_step_extra_s``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure the colocated worker's iterations through a real colocated server (a minute more)")
     p.add_argument("--worker-lengths", type=int, nargs="+", default=[128, 256, 384, 512, 640, 768, 896, 1024],
                    help="prompt lengths sent to it (default: 128 to 1024 in steps of 128)")
+    p.add_argument("--worker-batches", type=int, nargs="+", default=[1, 4, 16],
+                   help="batch sizes its step alone is measured at (default: 1 4 16)")
 
 
 def tcp_gbit_per_s(chunk: int = 4 << 20, count: int = 64) -> float:
@@ -135,7 +139,8 @@ def main(args: argparse.Namespace, progress=None) -> int:
         profile["pipeline"] = pipeline_overheads(profile, args.pipeline_lengths, progress)
     if args.worker:
         progress.write("the colocated worker's iterations, through a real colocated server ...\n")
-        profile.setdefault("pipeline", {})["worker_ratios"] = worker_ratios(profile, args.worker_lengths, progress)
+        profile.setdefault("pipeline", {}).update(worker_costs(profile, args.worker_lengths, args.worker_batches,
+                                                               progress))
     args.out.write_text(json.dumps(profile, indent=2) + "\n")
     progress.write(f"wrote {args.out}\n")
     return 0
@@ -226,9 +231,11 @@ async def gaps_beside_prefills(url: str, profile, lengths: list[int], rounds: in
     return busy, idle
 
 
-def worker_ratios(profile: dict, lengths: list[int], progress) -> dict:
-    """``pipeline.worker_ratios``: :func:`worker_iterations` through a real colocated server
-    (pdflow's colocated topology, the worker on both cores), against ``profile``'s costs."""
+def worker_costs(profile: dict, lengths: list[int], batches: list[int], progress) -> dict:
+    """``pipeline.worker_ratios`` (:func:`worker_iterations`) and ``worker_step_extra_s``
+    (:func:`worker_steps`) through a real colocated server (pdflow's colocated topology, the
+    worker on both cores), against ``profile``'s costs."""
+    import statistics
     import tempfile
 
     from pdflow.simulate.profile import Profile
@@ -237,14 +244,49 @@ def worker_ratios(profile: dict, lengths: list[int], progress) -> dict:
     bare = Profile.from_dict({**profile, "pipeline": {}})
     with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), mode="colocated") as server:
         prefill, decode = asyncio.run(worker_iterations(server.url, bare, lengths))
-    if len(prefill) < 2 or len(decode) < 2:
-        raise RuntimeError(f"the worker's iterations: {len(prefill)} prefills and {len(decode)} steps found in the "
-                           "answer's gaps (at least two of each are needed; give more --worker-lengths)")
-    ratios = {"prefill": percentiles(prefill), "decode": percentiles(decode)}
-    progress.write(f"  an iteration that prefills over its prediction: p50 {ratios['prefill'][50]:.2f}, p90 "
-                   f"{ratios['prefill'][90]:.2f} ({len(prefill)} prompts); a step alone p50 {ratios['decode'][50]:.2f}, "
-                   f"p99 {ratios['decode'][99]:.2f} ({len(decode)} steps)\n")
-    return ratios
+        if len(prefill) < 2:
+            raise RuntimeError(f"the worker's iterations: {len(prefill)} prefills found in the answer's gaps (at "
+                               "least two are needed; give more --worker-lengths)")
+        ratios = {"prefill": percentiles(prefill)}
+        progress.write(f"  an iteration that prefills over its prediction: p50 {ratios['prefill'][50]:.2f}, p90 "
+                       f"{ratios['prefill'][90]:.2f} ({len(prefill)} prompts)"
+                       + (f"; a step beside them p50 {statistics.median(decode):.2f} of the bare step\n"
+                          if decode else "\n"))
+        extras = {}
+        for batch in batches:
+            extra = asyncio.run(worker_steps(server.url, bare, batch))
+            if len(extra) < 2:
+                raise RuntimeError(f"the worker's steps at batch {batch}: {len(extra)} gaps while all {batch} answers "
+                                   "ran (at least two are needed)")
+            extras[str(batch)] = percentiles(extra)
+            progress.write(f"  a step alone at batch {batch}: {bare.decode_step_s(batch, 192) * 1e3:.1f} ms bare, "
+                           f"+{statistics.median(extra) * 1e3:.2f} ms p50, +{extras[str(batch)][99] * 1e3:.2f} ms "
+                           f"p99 ({len(extra)} steps)\n")
+    return {"worker_ratios": ratios, "worker_step_extra_s": extras}
+
+
+async def worker_steps(url: str, profile, batch: int, tokens: int = 160, prompt: int = 128, rounds: int = 2,
+                       first_id: int = 20_000) -> list[float]:
+    """Through a colocated worker at ``url``: ``batch`` answers at a time stream together, nothing
+    else coming in. Returns the seconds each of the first answer's gaps took beyond ``profile``'s
+    step at ``batch`` and its context, over the gaps while every answer was running (after the
+    last one's first token, up to the first one's last), the first answer's own first gap left
+    out."""
+    import httpx
+
+    extra: list[float] = []
+    ids = _fresh_ids(first_id + 1000 * batch)
+    async with httpx.AsyncClient(timeout=600) as client:
+        for _ in range(rounds):
+            streams = await asyncio.gather(*(_stream(client, url, ids(prompt), tokens) for _ in range(batch)))
+            if not all(streams):
+                continue
+            start, end = max(times[0] for times in streams), min(times[-1] for times in streams)
+            times = streams[0]
+            for i in range(2, len(times)):
+                if times[i - 1] >= start and times[i] <= end:
+                    extra.append(times[i] - times[i - 1] - profile.decode_step_s(batch, prompt + i))
+    return extra
 
 
 async def worker_iterations(url: str, profile, lengths: list[int], rounds: int = 4, prompt: int = 128,

@@ -33,13 +33,17 @@ A profile is JSON::
   scattered gaps, which mean costs alone cannot give. The simulator draws each gap's ratio from
   them (prefill replica *i* beside decode replica *i*, as one host holds one of each). Absent:
   every gap is the step.
-  ``worker_ratios``: ``{"prefill": [...], "decode": [...]}``, the same for the colocated worker
-  (``pdflow profile --worker``, through a real colocated server): the percentiles of an
-  iteration's time over what the profile predicts for it, an iteration that prefills a prompt
-  (its prefill and the decode step after it, one gap of a running answer) and a decode step
-  alone. The worker's costs scatter more than its mean (the prompt's blocks kept in its cache,
-  ingress on the same cores), and which prompt arrives before a batch ends turns on it. The
-  simulator draws each iteration's ratio from them. Absent: every iteration as predicted.
+  ``worker_ratios``: ``{"prefill": [...]}``, the same for the colocated worker's iterations that
+  prefill (``pdflow profile --worker``, through a real colocated server): the percentiles of such
+  an iteration's time (its prefill work and the decode step after it, one gap of a running
+  answer) over what the profile predicts for it. ``worker_step_extra_s``: ``{"1": [...], "16":
+  [...]}``, the percentiles of the seconds the worker's decode step alone takes beyond the
+  profile's step, at each batch size measured (streams of that many answers through the same
+  server): the worker's loop, its messages and ingress on the same cores add a cost per step and
+  one per sequence, not a share of the step. The simulator draws each iteration's ratio, and each
+  step's extra (linear in the batch size between and beyond the sizes measured, at the drawn
+  quantile), from them: which prompt arrives before a batch ends turns on such scatter. Absent:
+  every iteration as predicted.
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ class Profile:
     prefill_overhead_s: float = 0.0
     decode_overhead_s: float = 0.0
     decode_gap_ratios: dict[str, list[float]] = field(default_factory=dict)  # "busy"/"idle" -> 101 percentiles
-    worker_ratios: dict[str, list[float]] = field(default_factory=dict)  # "prefill"/"decode" -> 101 percentiles
+    worker_ratios: dict[str, list[float]] = field(default_factory=dict)  # "prefill" -> 101 percentiles
+    worker_step_extra_s: dict[int, list[float]] = field(default_factory=dict)  # batch -> 101 percentiles
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -119,11 +124,20 @@ class Profile:
         (``busy``: beside a prefill); 1 without one."""
         return _quantile(self.decode_gap_ratios.get("busy" if busy else "idle"), u)
 
-    def worker_ratio(self, kind: str, u: float) -> float:
-        """The colocated worker's ratio of an iteration's time to its prediction at quantile
-        ``u`` (``kind``: "prefill", an iteration that prefills, or "decode", a step alone); 1
-        without one."""
-        return _quantile(self.worker_ratios.get(kind), u)
+    def worker_ratio(self, u: float) -> float:
+        """The colocated worker's ratio of an iteration that prefills to its prediction at
+        quantile ``u``; 1 without one."""
+        return _quantile(self.worker_ratios.get("prefill"), u)
+
+    def worker_step_extra(self, batch: int, u: float) -> float:
+        """The seconds the colocated worker's decode step alone takes beyond :meth:`decode_step_s`
+        at quantile ``u`` of those measured, linear in ``batch`` between (and beyond) the batch
+        sizes measured; 0 without them."""
+        if not self.worker_step_extra_s:
+            return 0.0
+        sizes = sorted(self.worker_step_extra_s)
+        extras = [_quantile(self.worker_step_extra_s[size], u) for size in sizes]
+        return extras[0] if len(sizes) == 1 else _interp(sizes, extras, batch)
 
     # --- files ------------------------------------------------------------------------------
 
@@ -157,6 +171,8 @@ class Profile:
                                    for k, v in raw.get("pipeline", {}).get("decode_gap_ratios", {}).items()},
                 worker_ratios={k: [float(x) for x in v]
                                for k, v in raw.get("pipeline", {}).get("worker_ratios", {}).items()},
+                worker_step_extra_s={int(k): [float(x) for x in v]
+                                     for k, v in raw.get("pipeline", {}).get("worker_step_extra_s", {}).items()},
                 extra=dict(raw.get("extra", {})))
         except KeyError as exc:
             raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
@@ -174,7 +190,9 @@ class Profile:
                 "pipeline": {"prefill_overhead_s": self.prefill_overhead_s,
                              "decode_overhead_s": self.decode_overhead_s,
                              **({"decode_gap_ratios": self.decode_gap_ratios} if self.decode_gap_ratios else {}),
-                             **({"worker_ratios": self.worker_ratios} if self.worker_ratios else {})}}
+                             **({"worker_ratios": self.worker_ratios} if self.worker_ratios else {}),
+                             **({"worker_step_extra_s": {str(k): v for k, v in self.worker_step_extra_s.items()}}
+                                if self.worker_step_extra_s else {})}}
 
     def _check(self) -> None:
         def rising(name: str, xs: list) -> None:
@@ -190,13 +208,23 @@ class Profile:
                 any(len(row) != len(self.decode_batch) or min(row) <= 0 for row in self.decode_seconds):
             raise ValueError(f"{self.name}: decode.seconds must be a row per decode.context, a positive time per "
                              "decode.batch")
+
+        def percentiles(name: str, key, values: list[float], positive: bool) -> None:
+            if len(values) < 2 or (positive and min(values) <= 0) or any(b < a for a, b in zip(values, values[1:])):
+                raise ValueError(f"{self.name}: pipeline.{name}[{key!r}] must be rising{' positive' * positive} "
+                                 f"percentiles, got {values[:3]}...")
+
         for name, table, keys in (("decode_gap_ratios", self.decode_gap_ratios, ("busy", "idle")),
-                                  ("worker_ratios", self.worker_ratios, ("prefill", "decode"))):
+                                  ("worker_ratios", self.worker_ratios, ("prefill",))):
             for key, ratios in table.items():
-                if key not in keys or len(ratios) < 2 or min(ratios) <= 0 or \
-                        any(b < a for a, b in zip(ratios, ratios[1:])):
-                    raise ValueError(f"{self.name}: pipeline.{name} takes {keys[0]!r} and {keys[1]!r}, each rising "
-                                     f"positive percentiles; {key!r} is {ratios[:3]}...")
+                if key not in keys:
+                    raise ValueError(f"{self.name}: pipeline.{name} takes {' and '.join(map(repr, keys))}, not {key!r}"
+                                     + (" (a step alone is pipeline.worker_step_extra_s)" if key == "decode" else ""))
+                percentiles(name, key, ratios, True)
+        for batch, extras in self.worker_step_extra_s.items():
+            if batch <= 0:
+                raise ValueError(f"{self.name}: pipeline.worker_step_extra_s is keyed by batch sizes > 0, not {batch}")
+            percentiles("worker_step_extra_s", str(batch), extras, False)
         for name in ("layers", "kv_bytes_per_token", "link_gbit_per_s", "fetch_gbit_per_s", "max_batch"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{self.name}: {name} must be > 0, got {getattr(self, name)}")
