@@ -252,9 +252,10 @@ def worker_costs(profile: dict, lengths: list[int], batches: list[int], progress
                        f"{ratios['prefill'][90]:.2f} ({len(prefill)} prompts)"
                        + (f"; a step beside them p50 {statistics.median(decode):.2f} of the bare step\n"
                           if decode else "\n"))
-        extras = {}
+        extras, first_id = {}, 25_000  # (past worker_iterations' ids: no prompt shares a cached prefix)
         for batch in batches:
-            extra = asyncio.run(worker_steps(server.url, bare, batch))
+            extra = asyncio.run(worker_steps(server.url, bare, batch, first_id=first_id))
+            first_id += 4 * 128 * batch  # (the ids worker_steps takes, and more)
             if len(extra) < 2:
                 raise RuntimeError(f"the worker's steps at batch {batch}: {len(extra)} gaps while all {batch} answers "
                                    "ran (at least two are needed)")
@@ -266,7 +267,7 @@ def worker_costs(profile: dict, lengths: list[int], batches: list[int], progress
 
 
 async def worker_steps(url: str, profile, batch: int, tokens: int = 160, prompt: int = 128, rounds: int = 2,
-                       first_id: int = 20_000) -> list[float]:
+                       first_id: int = 25_000) -> list[float]:
     """Through a colocated worker at ``url``: ``batch`` answers at a time stream together, nothing
     else coming in. Returns the seconds each of the first answer's gaps took beyond ``profile``'s
     step at ``batch`` and its context, over the gaps while every answer was running (after the
@@ -275,7 +276,7 @@ async def worker_steps(url: str, profile, batch: int, tokens: int = 160, prompt:
     import httpx
 
     extra: list[float] = []
-    ids = _fresh_ids(first_id + 1000 * batch)
+    ids = _fresh_ids(first_id)
     async with httpx.AsyncClient(timeout=600) as client:
         for _ in range(rounds):
             streams = await asyncio.gather(*(_stream(client, url, ids(prompt), tokens) for _ in range(batch)))
