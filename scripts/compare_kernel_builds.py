@@ -10,6 +10,12 @@ of int4 weights, which stay in the caches: this times the kernels' arithmetic, n
 decode step, which reads every layer's weights from memory, is `pdflow bench engine`). Prints the
 median over rounds of the best of 30 calls, times 30 layers, and the largest difference between
 the two builds' outputs (0 where the new kernel sums in the old one's order).
+
+With ``--context N [N ...]`` it times instead what a decode step spends in C: the real model's
+(SmolLM2, ``int4-a16``) 30 layers in one call into ``pdflow_decode_layers``, ``--rows`` sequences
+of N cached tokens each in pool blocks as the decode stage holds them (attention included), the
+builds alternating call by call; the weights and the KV (79.6 MB and 46 KB a token) are more than
+the caches keep between calls, so this is the step from memory.
 """
 
 from __future__ import annotations
@@ -34,10 +40,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=1, help="rows of x per product (default: %(default)s)")
+    parser.add_argument("--context", type=int, nargs="+", help="time the model's decode layers at these contexts")
     opts = parser.parse_args()
     builds = {"this checkout": kernels.library(), opts.other: kernels._declare(ctypes.CDLL(opts.other))}
     if builds["this checkout"] is None:
         raise SystemExit(f"pdflow's kernels are not available: {kernels.unavailable_reason()}")
+    torch.set_num_threads(opts.threads)
+    if opts.context:
+        return compare_layers(builds, opts)
     torch.manual_seed(0)
     matrices = [registry.load("int4-a16")().pack(torch.randn(n, k)) for n, k in SHAPES]
     inputs = {k: torch.randn(opts.rows, k) for _, k in SHAPES}
@@ -68,6 +78,57 @@ def main() -> int:
     difference = max(float((x - y).abs().max()) for x, y in zip(a, b))
     print(f"largest difference between the builds' outputs: {difference:.3g} "
           f"(largest output {max(float(x.abs().max()) for x in a):.3g})")
+    return 0
+
+
+def compare_layers(builds: dict, opts) -> int:
+    """The model's decode layers at each context, the builds alternating call by call."""
+    from pdflow.engine import Sampler, Sequence, load_model
+    from pdflow.engine.paged import KvPool, PagedDecodeBatch, _PagedCache
+    from pdflow.kv.arena import ArenaLayout
+    from pdflow.messages import SamplingParams
+    from pdflow.models import resolve
+
+    loaded = load_model(resolve("smollm2", progress=False), weights="int4-a16")
+    model, layout = loaded.model, loaded.layout
+    for context in opts.context:
+        kv = [(torch.randn(layout.num_kv_heads, context, layout.head_dim) * 0.5,
+               torch.randn(layout.num_kv_heads, context, layout.head_dim) * 0.5) for _ in range(layout.num_layers)]
+        blocks = (-(-(context + 16) // 64) + 1) * opts.rows
+        batch = PagedDecodeBatch(loaded, opts.rows, KvPool(ArenaLayout(layout, 64, blocks)))
+        for i in range(opts.rows):
+            sampler = Sampler(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+            batch.add_from(Sequence(str(i), context, 100 + i, sampler), kv.__getitem__)
+        width = max(len(s) for s in batch.slots)
+        table = torch.tensor([s + [0] * (width - len(s)) for s in batch.slots], dtype=torch.int64)
+        lengths = torch.full((opts.rows,), context + 1, dtype=torch.int64)
+        positions = torch.full((opts.rows,), context, dtype=torch.int64)
+        cache = _PagedCache(batch.pool, lengths, table, batch._lib, None).blocks()
+        start_hidden = torch.randn(opts.rows, model.embed.shape[1])
+        outputs, times = {}, {name: [] for name in builds}
+
+        def call(lib) -> torch.Tensor:
+            model.fused.lib = lib
+            hidden = start_hidden.clone()
+            model._native_step(hidden, positions, cache, layout.num_layers)
+            return hidden
+
+        for _ in range(3):
+            for name, lib in builds.items():
+                outputs[name] = call(lib)
+        for _ in range(opts.rounds * 10):
+            for name, lib in builds.items():
+                started = time.perf_counter()
+                call(lib)
+                times[name].append(time.perf_counter() - started)
+        model.fused.lib = builds["this checkout"]
+        for name, values in times.items():
+            print(f"{name}: decode layers, {opts.rows} row(s) at {context} tokens: "
+                  f"{statistics.median(values) * 1e3:.3f} ms (median of {len(values)})")
+        first, second = (statistics.median(v) for v in times.values())
+        a, b = outputs.values()
+        print(f"other / this checkout at {context} tokens: {second / first:.2f}x; largest difference between the "
+              f"builds' outputs: {float((a - b).abs().max()):.3g} (largest output {float(a.abs().max()):.3g})")
     return 0
 
 

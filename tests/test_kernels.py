@@ -47,13 +47,20 @@ def test_without_a_working_compiler_formats_fall_back_and_say_why(tmp_path):
 
 
 @pytest.mark.parametrize("pruned", [None, 1])
-def test_decode_attention_reads_paged_token_major_blocks(pruned):
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [
+    (6, 2, 32),  # on AVX-512: a kv head's 3 query heads in registers together, 2 vectors each
+    (9, 3, 64),  # SmolLM2's shape
+    (16, 2, 64),  # 8 query heads a kv head: two rounds of 4
+    (6, 2, 128),  # 8 vectors a head: 2 query heads, then 1
+    (4, 2, 48),  # 3 vectors a head: no AVX-512 case, the 256-bit path
+])
+def test_decode_attention_reads_paged_token_major_blocks(pruned, heads, kv_heads, head_dim):
     """... and with a kv head pruned (``kv_keep``), that head's query heads put out zeros, its
     step's keys and values are written as zeros, and the other heads are as without."""
     lib = kernels.library()
     assert lib is not None, kernels.unavailable_reason()
     torch.manual_seed(0)
-    heads, kv_heads, head_dim, block, slots = 6, 2, 32, 16, 20
+    block, slots = 16, 20
     keys = torch.randn(slots, block, kv_heads, head_dim)  # token-major slots, as the store's arena
     values = torch.randn(slots, block, kv_heads, head_dim)
     lengths = torch.tensor([37, 5, 48])  # tokens after this step's own is written

@@ -1039,6 +1039,133 @@ static inline float exp_any(float *s, int64_t n, float max) {
 #endif
 }
 
+#if defined(__AVX512F__)
+/* AVX-512: the query heads that share a kv head (up to 16 vectors of 16 lanes: 4 heads of 64
+ * dimensions, 2 of 128) keep their queries and their output sums in registers for a whole run of
+ * tokens, and each key and value slice of the kv head is loaded once for all of them. A run's
+ * scores, its online-softmax step and its value sums are computed as by the 256-bit path (the
+ * same running maximum, total and unnormalized output, summed in another order). */
+#define VECTOR_ATTENTION_512 1
+#define MAX_VECTORS_512 16
+#define PREFETCH_TOKENS 8  /* how far ahead the first pass fetches keys (8: the best of 0-64 measured) */
+
+static inline __m512 exp_nonpositive512(__m512 x) {  /* exp_nonpositive's polynomial, 16 lanes */
+    const __m512 floor = _mm512_set1_ps(-87.3f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, floor);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_mul_ps(p, _mm512_castsi512_ps(two_n)));
+}
+
+/* C query heads (queries q: C x head_dim, V = head_dim / 16 vectors each) against n tokens of one
+ * kv head (k, v: the first token's slice; rows token_stride apart): scores (C x MAX_RUN) scratch,
+ * running_max / total / acc (C x head_dim) the online softmax's state, updated.
+ * fetch_k / fetch_v (the run's first whole rows; NULL: none): the first kv head's pass prefetches
+ * every line of each key row PREFETCH_TOKENS ahead and of each value row, so the later kv heads'
+ * passes over the same rows find them in cache. Without it, each kv head's pass is a strided read
+ * of the block (one slice of every row), which the hardware prefetchers serve badly: 1.1x slower at
+ * a 1,024-token context, measured (docs/benchmarks.md, "Engine"). */
+static inline void run512(const int C, const int V, const float *q, const float *k, const float *v, int64_t n,
+                          int64_t token_stride, float scale, float *scores, float *running_max, float *total,
+                          float *acc, const float *fetch_k, const float *fetch_v, int64_t fetch_lines) {
+    __m512 qv[MAX_VECTORS_512], av[MAX_VECTORS_512];
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < V; i++) qv[c * V + i] = _mm512_loadu_ps(q + c * V * 16 + i * 16);
+    for (int64_t t = 0; t < n; t++) {
+        const float *kt = k + t * token_stride;
+        if (fetch_k) {
+            for (int64_t line = 0; line < fetch_lines; line++) {
+                _mm_prefetch((const char *)(fetch_k + (t + PREFETCH_TOKENS) * token_stride + line * 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(fetch_v + t * token_stride + line * 16), _MM_HINT_T0);
+            }
+        }
+        __m512 kv[MAX_VECTORS_512];
+        for (int i = 0; i < V; i++) kv[i] = _mm512_loadu_ps(kt + i * 16);
+        for (int c = 0; c < C; c++) {
+            __m512 s0 = _mm512_mul_ps(qv[c * V], kv[0]), s1 = _mm512_setzero_ps();
+            for (int i = 1; i < V; i++) {
+                if (i & 1) s1 = _mm512_fmadd_ps(qv[c * V + i], kv[i], s1);
+                else s0 = _mm512_fmadd_ps(qv[c * V + i], kv[i], s0);
+            }
+            scores[c * MAX_RUN + t] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        float *s = scores + c * MAX_RUN;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
+        float block_max = _mm512_reduce_max_ps(top);
+        for (; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
+        const float new_max = block_max > running_max[c] ? block_max : running_max[c];
+        const float rescale = expf(running_max[c] - new_max);  /* 0 on the first run */
+        const __m512 m = _mm512_set1_ps(new_max);
+        __m512 sum = _mm512_setzero_ps();
+        for (t = 0; t + 16 <= n; t += 16) {
+            const __m512 p = exp_nonpositive512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+            _mm512_storeu_ps(s + t, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        float part = _mm512_reduce_add_ps(sum);
+        for (; t < n; t++) part += (s[t] = expf(s[t] - new_max));
+        total[c] = total[c] * rescale + part;
+        running_max[c] = new_max;
+        const __m512 r = _mm512_set1_ps(rescale);
+        for (int i = 0; i < V; i++) av[c * V + i] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * V * 16 + i * 16), r);
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const float *vt = v + t * token_stride;
+        __m512 vv[MAX_VECTORS_512];
+        for (int i = 0; i < V; i++) vv[i] = _mm512_loadu_ps(vt + i * 16);
+        for (int c = 0; c < C; c++) {
+            const __m512 p = _mm512_set1_ps(scores[c * MAX_RUN + t]);
+            for (int i = 0; i < V; i++) av[c * V + i] = _mm512_fmadd_ps(p, vv[i], av[c * V + i]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < V; i++) _mm512_storeu_ps(acc + c * V * 16 + i * 16, av[c * V + i]);
+}
+
+/* run512 with C and V constants (its loops unrolled, its vectors in registers), for the shapes
+ * heads_512 allows */
+static void run512_cases(int C, int V, const float *q, const float *k, const float *v, int64_t n,
+                        int64_t token_stride, float scale, float *scores, float *running_max, float *total,
+                        float *acc, const float *fetch_k, const float *fetch_v, int64_t fetch_lines) {
+#define RUN512(c_, v_) \
+    case (c_) * 32 + (v_): run512(c_, v_, q, k, v, n, token_stride, scale, scores, running_max, total, acc, fetch_k, fetch_v, fetch_lines); return;
+    switch (C * 32 + V) {
+        RUN512(1, 1) RUN512(2, 1) RUN512(3, 1) RUN512(4, 1)
+        RUN512(1, 2) RUN512(2, 2) RUN512(3, 2) RUN512(4, 2)
+        RUN512(1, 4) RUN512(2, 4) RUN512(3, 4) RUN512(4, 4)
+        RUN512(1, 8) RUN512(2, 8)
+    }
+#undef RUN512
+}
+
+/* the largest number of query heads run512_cases takes at once for this head_dim (0: it has no
+ * case for it: head_dim 16, 32, 64 or 128 only) */
+static inline int64_t heads_512(int64_t head_dim) {
+    switch (head_dim) {
+        case 16: case 32: case 64: return 4;
+        case 128: return 2;
+        default: return 0;
+    }
+}
+#else
+#define VECTOR_ATTENTION_512 0
+#endif
+
 /* The output of every query head whose kv head is pruned: zero. */
 static void zero_pruned(float *out, int64_t batch, int64_t heads, int64_t group, int64_t head_dim,
                         const uint8_t *kv_keep) {
@@ -1104,7 +1231,30 @@ void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64
         }
         const float *qb = q + (b * heads + first) * head_dim;
         const int64_t length = lengths[b] * (part + 1) / parts;  /* this task's tokens: start .. length */
-        for (int64_t start = lengths[b] * part / parts; start < length;) {
+        int64_t start = lengths[b] * part / parts;
+#if VECTOR_ATTENTION_512
+        const int64_t at_once = heads_512(head_dim);
+        if (at_once) {  /* run by run; per run, the query heads of each kv head together */
+            while (start < length) {
+                const int64_t slot = table[b * table_width + start / block_tokens], row = start % block_tokens;
+                int64_t n = block_tokens - row;
+                if (n > length - start) n = length - start;
+                if (n > MAX_RUN) n = MAX_RUN;
+                const float *kb = keys + slot * slot_stride + row * token_stride;
+                const float *vb = values + slot * slot_stride + row * token_stride;
+                for (int64_t j = 0; j < shared;) {
+                    int64_t c = 1;  /* heads j .. j + c: one kv head's */
+                    while (c < at_once && j + c < shared && offset[j + c] == offset[j]) c++;
+                    run512_cases((int)c, (int)(head_dim / 16), qb + j * head_dim, kb + offset[j], vb + offset[j], n,
+                                 token_stride, scale, scores, running_max + j, total + j, acc + j * head_dim,
+                                 j == 0 ? kb : NULL, vb, token_stride / 16);
+                    j += c;
+                }
+                start += n;
+            }
+        }
+#endif
+        for (; start < length;) {
             const int64_t slot = table[b * table_width + start / block_tokens], row = start % block_tokens;
             int64_t n = block_tokens - row;
             if (n > length - start) n = length - start;
