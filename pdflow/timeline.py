@@ -8,6 +8,8 @@ in several processes of one host (one clock), under these keys:
 - ``prefill.dequeued``: prefill got to the request (it queued before); ``prefill.plan_in``: its
   store plan was there (later than ``dequeued`` when prefill waited for the store, e.g. for a
   prefix read from disk that the queue did not hide);
+- ``prefill.prefix_in[l]``: layer *l* of the cached prefix landed in prefill's buffer (a prefix
+  from the store, over the data plane; absent where prefill computes in the store's arena);
 - ``prefill.send_start``: the first KV write began (after the whole prefill with
   ``kv_streaming = "request"``);
 - ``prefill.layer_sent[l]``: layer *l*'s keys and values handed to the data plane (the write

@@ -57,6 +57,19 @@ def _ttft(url: str, prompt: list[int]) -> tuple[float, str]:
     return first, rid
 
 
+def warm_parts(timeline: dict[str, list[float]]) -> dict[str, float]:
+    """Where a warm request's prefill went, in seconds from prefill getting to it: its plan, the
+    cached prefix's first and last layers landing, and the computed last layer (absent keys:
+    not recorded for that request)."""
+    t0 = timeline["prefill.dequeued"][0]
+    parts = {"plan": timeline["prefill.plan_in"][0] - t0}
+    landed = timeline.get("prefill.prefix_in")
+    if landed:
+        parts["first prefix layer in"], parts["last prefix layer in"] = landed[0] - t0, max(landed) - t0
+    parts["last layer computed"] = timeline["prefill.layer_done"][-1] - t0
+    return parts
+
+
 def part_link(opts, out: Path) -> None:
     for bandwidth in opts.link_bandwidth:
         _link(opts, out, bandwidth)
@@ -91,11 +104,13 @@ def _link(opts, out: Path, bandwidth: str) -> None:
                 cold, rid = _ttft(server.url, prompt)
                 timeline = httpx.get(f"{server.url}/debug/timeline/{rid}", timeout=30).json()
                 summary = kv_summary(timeline)
-                warm, _ = _ttft(server.url, prompt)
-                row = {"cold_ttft_s": cold, "warm_ttft_s": warm, **summary}
+                warm, warm_rid = _ttft(server.url, prompt)
+                parts = warm_parts(httpx.get(f"{server.url}/debug/timeline/{warm_rid}", timeout=30).json())
+                row = {"cold_ttft_s": cold, "warm_ttft_s": warm, **summary, "warm": parts}
                 rows[codec].append(row)
                 say(f"- {bandwidth}, {codec}, repetition {rep + 1}: cold TTFT {cold:.2f} s, KV tail {summary['kv_tail_s'] * 1e3:.0f} ms, "
-                    f"whole transfer {summary['whole_transfer_s']:.2f} s, warm TTFT {warm:.2f} s")
+                    f"whole transfer {summary['whole_transfer_s']:.2f} s, warm TTFT {warm:.2f} s "
+                    f"({', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in parts.items())})")
     (out / f"link-{bandwidth}.json").write_text(json.dumps(rows, indent=1))
     say()
     say(f"A {opts.tokens}-token prompt through emulated {bandwidth} / {opts.link_latency} KV links, "

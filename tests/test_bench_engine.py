@@ -25,3 +25,11 @@ def test_a_small_run_reports_each_format_with_its_floor_and_agreement(model_dir,
     assert "GFLOP/s on 1 thread" in text
     for needed in ("transformers", "fp32", "int4", "eff. BW", "pdflow / transformers", "paged / dense"):
         assert needed in text
+
+
+def test_a_llama_cpp_interpreter_that_crashes_is_named_by_its_signal(tmp_path):
+    crashing = tmp_path / "python"
+    crashing.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crashing.chmod(0o755)
+    with __import__("pytest").raises(RuntimeError, match=r"killed by SIGSEGV.*nothing on stderr"):
+        engine.llama_cpp_times(str(crashing), "model.gguf", 2, 8, 2, [16])

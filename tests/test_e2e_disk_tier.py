@@ -116,6 +116,10 @@ def test_after_kill_9_of_kv_shuttle_a_queued_request_hits_its_blocks_on_disk_rea
     timeline = httpx.get(f"{server.url}/debug/timeline/{request_id}", timeout=10).json()
     waited = timeline["prefill.plan_in"][0] - timeline["prefill.dequeued"][0]
     assert waited < 0.005, f"prefill waited {waited * 1000:.1f} ms for a plan the queue should have hidden"
+    # layer l attends over its prefix once that has landed, before layer l + 1's keys exist
+    landed, then = timeline["prefill.prefix_in"], timeline["prefill.layer_done"][1:] + timeline["prefill.end"]
+    assert len(landed) == len(then) and all(timeline["prefill.plan_in"][0] <= t <= d for t, d in zip(landed, then)), \
+        (timeline["prefill.plan_in"], landed, then)
     stats = _spilled(server)
     assert stats["disk_loaded_blocks"] >= 4 and stats["disk_blocks"] > 0 and stats["leases"] == 0
 

@@ -185,6 +185,20 @@ print(json.dumps(out))
 """
 
 
+def _exit_status(code: int) -> str:
+    """A subprocess's return code in words; a crash names its signal (ggml's AMX kernels, for one,
+    die with SIGSEGV on some virtual machines: build llama.cpp with ``-mno-amx-int8 -mno-amx-tile``,
+    docs/benchmarks.md)."""
+    if code >= 0:
+        return f"exit status {code}"
+    import signal
+
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def llama_cpp_times(python: str, gguf: str, threads: int, context: int, steps: int, prefills) -> dict:
     """llama.cpp (llama-cpp-python, in its own interpreter) on the same shapes: the batch-1 decode
     step over ``context`` tokens (one token per ``eval``) and prefill of each length."""
@@ -193,7 +207,8 @@ def llama_cpp_times(python: str, gguf: str, threads: int, context: int, steps: i
     result = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, gguf, str(threads), str(context), str(steps),
                              ",".join(str(n) for n in prefills)], capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
-        raise RuntimeError(f"llama.cpp run failed: {result.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"llama.cpp run failed ({_exit_status(result.returncode)}): "
+                           f"{result.stderr.strip()[-2000:] or 'nothing on stderr'}")
     raw = json.loads(result.stdout.strip().splitlines()[-1])
     return {"decode": {int(k): v for k, v in raw["decode"].items()},
             "prefill": {int(k): v for k, v in raw["prefill"].items()}}

@@ -55,6 +55,7 @@ class _Prefix:
     tokens: int
     left: list[int]  # per layer: tokens (keys and values counted apart) still to land
     ready: list[threading.Event]
+    landed: list[float]  # per layer: when its last chunk landed (0 until then)
     error: str | None = None
 
 
@@ -186,7 +187,7 @@ class PrefillStage(Stage):
             memory = self.from_shuttle.allocate(region, need)
         buffer = torch.frombuffer(memory, dtype=torch.uint8, count=need)
         prefix = _Prefix(region, memory, buffer, n, [2 * n] * layout.num_layers,
-                         [threading.Event() for _ in range(layout.num_layers)])
+                         [threading.Event() for _ in range(layout.num_layers)], [0.0] * layout.num_layers)
         job.prefix = prefix
         self.by_region[region] = job
         address = self.from_shuttle.address_for(region)
@@ -206,6 +207,7 @@ class PrefillStage(Stage):
                 continue
             prefix.left[layer] -= tokens_of_run(notice.header)
             if prefix.left[layer] <= 0:
+                prefix.landed[layer] = time.monotonic()
                 prefix.ready[layer].set()
 
     def _past(self, job: _Job, prefix: _Prefix):
@@ -350,6 +352,8 @@ class PrefillStage(Stage):
         compute = {"prefill.start": [result.started], "prefill.layer_done": result.layer_done,
                    "prefill.end": [result.finished], "prefill.dequeued": [job.dequeued],
                    "prefill.plan_in": [job.plan_in]}
+        if job.prefix is not None:
+            compute["prefill.prefix_in"] = list(job.prefix.landed)
         # a request that ends here gets its (prefill-only) timeline with its only token
         first = Tokens(request.request_id, 0, [token], reason, compute if reason is not None else {},
                        plan.cached_tokens)
