@@ -13,7 +13,9 @@ again, warm (its prefix, all but the last block, comes from the store: over the 
 which computes the last block's tokens, and to decode). Reported per codec: the cold prompt's KV tail (prefill's last layer computed ->
 decode holds all KV) and whole transfer from its timeline, its TTFT, and the warm prompt's TTFT,
 both at the client; then each as a ratio of `none`'s from the same run (the codec's own encode
-and decode are inside every figure).
+and decode are inside every figure). Each warm request's line also says where its prefill went
+(its plan, the cached prefix's first and last layers landing, its last layer computed).
+``--prefill-cores 0,1`` pins prefill to both cores instead of core 0 (as on a host of its own).
 
     .venv/bin/python scripts/experiment_kv_codecs.py --out bench-results/kv-codecs
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -70,6 +73,16 @@ def warm_parts(timeline: dict[str, list[float]]) -> dict[str, float]:
     return parts
 
 
+def _prefill_on(server: PdflowServer, cores: str) -> PdflowServer:
+    """``server`` (not started) with prefill pinned to ``cores`` ("0,1") instead of core 0."""
+    text = server.topology.read_text()
+    pinned = re.sub(r"(\[stages\.prefill\][^\[]*?)cores = \[0\]", rf"\g<1>cores = [{cores}]", text, count=1)
+    if cores != "0" and pinned == text:
+        raise RuntimeError("the test topology no longer pins prefill to core 0: update _prefill_on")
+    server.topology.write_text(pinned)
+    return server
+
+
 def part_link(opts, out: Path) -> None:
     for bandwidth in opts.link_bandwidth:
         _link(opts, out, bandwidth)
@@ -94,9 +107,9 @@ def _link(opts, out: Path, bandwidth: str) -> None:
     for rep in range(opts.repeats):
         for codec in opts.codecs:
             where = _where(codec)
-            with tempfile.TemporaryDirectory() as tmp, PdflowServer(
+            with tempfile.TemporaryDirectory() as tmp, _prefill_on(PdflowServer(
                 Path(tmp), link_options=link, decode_link_options=link, request_timeout_s=1200, **where
-            ) as server:
+            ), opts.prefill_cores) as server:
                 warm_up = [(i * 6007 + rep * 7) % 40000 + 1000 for i in range(opts.tokens)]
                 _ttft(server.url, warm_up)
                 _ttft(server.url, warm_up)  # and its prefix from the store
@@ -147,6 +160,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="repetitions per codec (default: %(default)s)")
     parser.add_argument("--link-bandwidth", nargs="+", default=["1Gbit"], help="one run per bandwidth")
     parser.add_argument("--link-latency", default="0.5ms")
+    parser.add_argument("--prefill-cores", default="0",
+                        help="the cores prefill is pinned to (default: %(default)s, as the test topology has it; "
+                        "0,1: both, as on a host of its own, decode idle beside it)")
     opts = parser.parse_args()
     return REPORT.run("pdflow KV codecs on a slow link", {"link": part_link}, opts)
 
