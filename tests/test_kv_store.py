@@ -255,6 +255,25 @@ def test_a_corrupt_block_is_dropped_with_its_children_and_counted() -> None:
     assert lease.hit == 1
 
 
+def test_a_commit_keeps_the_span_checksums_taken_as_the_spans_landed() -> None:
+    """kv-shuttle checksums each span as its chunk lands and commits the block with them: a later
+    lease verifies against those, so checksums of other bytes would drop the block."""
+    store = _store(8)
+    ids = BlockHasher("m", "float32", BT).ids(list(range(2 * BT)))
+    lease = store.lease("r", ids)
+    store.write(lease.slots, 0, *_kv(2, seed=7))
+    taken = [store.span_checksum(lease.slots[0], layer, kind) for layer in range(2) for kind in (KEYS, VALUES)]
+    assert taken == [store.span_checksum(lease.slots[0], *divmod(i, 2)) for i in range(4)]
+    assert store.commit(lease, 0, checksums=taken)
+    with pytest.raises(ValueError, match="4 spans, got 3"):
+        store.commit(lease, 1, checksums=taken[:3])
+    wrong = [store.span_checksum(lease.slots[1], *divmod(i, 2)) for i in range(4)]
+    wrong[3] ^= 1  # as if layer 1's values had been checksummed while other bytes were there
+    assert store.commit(lease, 1, checksums=wrong)
+    store.release("r")
+    assert store.lease("reader", ids).hit == 1 and store.stats().checksum_failures == 1
+
+
 def test_a_corrupt_block_still_pinned_is_freed_at_its_last_unpin() -> None:
     store = _store(4)
     ids = BlockHasher("m", "float32", BT).ids(list(range(2 * BT)))

@@ -303,12 +303,16 @@ class KvStore:
         return fresh
 
     def commit(self, lease: Lease, index: int, *, replace: bool = False, version: int | None = None,
-               keep_s: float | None = None) -> bool:
+               keep_s: float | None = None, checksums: list[int] | None = None) -> bool:
         """Index block ``index`` of ``lease`` (its bytes are in ``lease.slots[index]``); the lease
         keeps it pinned. False when it was not indexed: its parent is gone, the id is stored already
         (the stored copy stays, unless ``replace``: then this is its new version; this slot is
         freed at release), or the lease keeps nothing. ``version`` and ``keep_s`` (else the lease's)
-        are for a block coming back from another tier with its own."""
+        are for a block coming back from another tier with its own. ``checksums``: the slot's
+        spans' (:meth:`span_checksum`, in :meth:`slot_spans`' order), taken as each span landed,
+        so that committing a request's blocks at once does not read them all again."""
+        if checksums is not None and len(checksums) != len(self._span_bases):
+            raise ValueError(f"a block has {len(self._span_bases)} spans, got {len(checksums)} checksums")
         slot = lease.slots[index]
         block_id = lease.ids[index]
         keep = keep_s if keep_s is not None else lease.keep_s if lease.keep_s is not None else self.block_ttl_s
@@ -324,7 +328,8 @@ class KvStore:
             version = self._version = self._version + 1
         else:
             self._version = max(self._version, version)
-        block = _Block(block_id, slot, parent, self._next_tick(), self._checksums(slot), version,
+        block = _Block(block_id, slot, parent, self._next_tick(),
+                       list(checksums) if checksums is not None else self._checksums(slot), version,
                        self.clock() + keep)
         if old is not None:
             self._retire(old, block)
@@ -513,6 +518,12 @@ class KvStore:
     def slot_spans(self, slot: int) -> list[memoryview]:
         """A slot's bytes, layer by layer, keys then values: a whole block, as the disk tier holds it."""
         return [self._bytes[base + slot * span : base + (slot + 1) * span] for base, span in self._span_bases]
+
+    def span_checksum(self, slot: int, layer: int, kind: int) -> int:
+        """The checksum of one span of a slot (``layer``'s keys, kind 0, or values, 1), as
+        :meth:`commit` keeps it."""
+        base, span = self._span_bases[2 * layer + kind]
+        return checksum(self._bytes[base + slot * span : base + (slot + 1) * span])
 
     # --- stats ---------------------------------------------------------------------------------
 

@@ -137,6 +137,9 @@ class _Entry:
     lease: Lease | None = None  # set once planned
     cached: int = 0  # prompt tokens whose KV came from the store
     landed: list[int] = field(default_factory=list)  # per block after the prefix: layer spans landed
+    # per block after the prefix: its spans' checksums, each taken as a chunk covering the whole
+    # span landed (None until then), so that the commits at the last layer read nothing again
+    span_sums: list[list[int | None]] = field(default_factory=list)
     next_commit: int = 0
     answer: Lease | None = None
     answer_landed: list[int] = field(default_factory=list)
@@ -327,6 +330,7 @@ class KvShuttleStage(Stage):
         if self.reuse and lease.hit < len(ids):  # later requests sharing these blocks may wait for them
             entry.writer = self.computing.add(entry.arrival, ids[lease.hit :])
         entry.landed = [0] * (total - lease.hit)
+        entry.span_sums = [[None] * (2 * self.kv.num_layers) for _ in entry.landed]
         entry.layer_left = [2 * (n - entry.cached)] * self.kv.num_layers
         entry.layer_in = [0.0] * self.kv.num_layers
         plan = KvPlan(rid, self.address, ARENA, self.arena.num_slots, entry.cached, lease.slots[lease.hit :],
@@ -643,15 +647,23 @@ class KvShuttleStage(Stage):
                 self._maybe_in_store(entry)
         if entry.writer is not None:
             entry.writer.began = True
-        usable = entry.cached // self.arena.block_tokens
+        bt = self.arena.block_tokens
+        usable = entry.cached // bt
+        full = entry.num_tokens // bt
         for i in self._blocks_of(header, usable):
             if 0 <= i < len(entry.landed):
                 entry.landed[i] += 1
-        full = entry.num_tokens // self.arena.block_tokens
+                block = usable + i
+                if self.reuse and block < min(full, len(entry.lease.ids)) and header.kind in (KEYS, VALUES) and \
+                        0 <= header.layer < self.kv.num_layers and \
+                        header.token_start <= block * bt and (block + 1) * bt <= header.token_end:
+                    entry.span_sums[i][2 * header.layer + header.kind] = self.store.span_checksum(
+                        entry.lease.slots[block], header.layer, header.kind)
         spans = 2 * self.kv.num_layers
         while (self.reuse and entry.next_commit < min(full, len(entry.lease.ids))
                and entry.landed[entry.next_commit - usable] == spans):
-            self.store.commit(entry.lease, entry.next_commit)
+            sums = entry.span_sums[entry.next_commit - usable]
+            self.store.commit(entry.lease, entry.next_commit, checksums=None if None in sums else sums)
             entry.next_commit += 1
         if entry.next_commit >= min(full, len(entry.lease.ids)):
             self.computing.done(entry.writer)
