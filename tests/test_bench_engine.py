@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdflow.bench import engine
 
 
@@ -31,5 +33,5 @@ def test_a_llama_cpp_interpreter_that_crashes_is_named_by_its_signal(tmp_path):
     crashing = tmp_path / "python"
     crashing.write_text("#!/bin/sh\nkill -SEGV $$\n")
     crashing.chmod(0o755)
-    with __import__("pytest").raises(RuntimeError, match=r"killed by SIGSEGV.*nothing on stderr"):
+    with pytest.raises(RuntimeError, match=r"killed by SIGSEGV.*nothing on stderr"):
         engine.llama_cpp_times(str(crashing), "model.gguf", 2, 8, 2, [16])
