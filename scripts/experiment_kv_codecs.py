@@ -15,7 +15,8 @@ decode holds all KV) and whole transfer from its timeline, its TTFT, and the war
 both at the client; then each as a ratio of `none`'s from the same run (the codec's own encode
 and decode are inside every figure). Each warm request's line also says where its prefill went
 (its plan, the cached prefix's first and last layers landing, its last layer computed).
-``--prefill-cores 0,1`` pins prefill to both cores instead of core 0 (as on a host of its own).
+``--prefill-cores 0,1`` pins prefill to both cores instead of core 0 (as on a host of its own);
+``--block-tokens N`` sets the store's block size (a warm prompt recomputes its last block).
 
     .venv/bin/python scripts/experiment_kv_codecs.py --out bench-results/kv-codecs
 """
@@ -88,17 +89,19 @@ def part_link(opts, out: Path) -> None:
         _link(opts, out, bandwidth)
 
 
-def _where(codec: str) -> dict:
+def _where(codec: str, block_tokens: int = 0) -> dict:
     """PdflowServer's settings for ``codec``: ``store:SPEC`` in the store, ``decode:SPEC`` on the
-    link into decode only, else ``SPEC`` on every link."""
+    link into decode only, else ``SPEC`` on every link; ``block_tokens`` (0: the default) the
+    store's block size."""
     from pdflow.kv.codecs import from_spec
 
+    kv = {"block_tokens": block_tokens} if block_tokens else {}
     if codec.startswith("store:"):
-        return {"kv": {"codec": codec[6:]}}
+        return {"kv": {**kv, "codec": codec[6:]}}
     if codec.startswith("decode:"):
         made = from_spec(codec[7:])
-        return {"decode_codec": made.name, "decode_codec_options": made.params}
-    return {"codec": codec}
+        return {"decode_codec": made.name, "decode_codec_options": made.params, "kv": kv}
+    return {"codec": codec, "kv": kv}
 
 
 def _link(opts, out: Path, bandwidth: str) -> None:
@@ -106,7 +109,7 @@ def _link(opts, out: Path, bandwidth: str) -> None:
     rows: dict[str, list[dict]] = {codec: [] for codec in opts.codecs}
     for rep in range(opts.repeats):
         for codec in opts.codecs:
-            where = _where(codec)
+            where = _where(codec, opts.block_tokens)
             with tempfile.TemporaryDirectory() as tmp, _prefill_on(PdflowServer(
                 Path(tmp), link_options=link, decode_link_options=link, request_timeout_s=1200, **where
             ), opts.prefill_cores) as server:
@@ -160,6 +163,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="repetitions per codec (default: %(default)s)")
     parser.add_argument("--link-bandwidth", nargs="+", default=["1Gbit"], help="one run per bandwidth")
     parser.add_argument("--link-latency", default="0.5ms")
+    parser.add_argument("--block-tokens", type=int, default=0,
+                        help="the store's block size ([kv] block_tokens; default: the topology's, 64): a warm "
+                        "prompt recomputes its last block")
     parser.add_argument("--prefill-cores", default="0",
                         help="the cores prefill is pinned to (default: %(default)s, as the test topology has it; "
                         "0,1: both, as on a host of its own, decode idle beside it)")
