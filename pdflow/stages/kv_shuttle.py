@@ -649,23 +649,23 @@ class KvShuttleStage(Stage):
             entry.writer.began = True
         bt = self.arena.block_tokens
         usable = entry.cached // bt
-        full = entry.num_tokens // bt
+        committed = min(entry.num_tokens // bt, len(entry.lease.ids))  # the blocks it commits: full, with ids
+        span = 2 * header.layer + header.kind if header.kind in (KEYS, VALUES) and \
+            0 <= header.layer < self.kv.num_layers and self.reuse else None
         for i in self._blocks_of(header, usable):
             if 0 <= i < len(entry.landed):
                 entry.landed[i] += 1
                 block = usable + i
-                if self.reuse and block < min(full, len(entry.lease.ids)) and header.kind in (KEYS, VALUES) and \
-                        0 <= header.layer < self.kv.num_layers and \
+                if span is not None and block < committed and \
                         header.token_start <= block * bt and (block + 1) * bt <= header.token_end:
-                    entry.span_sums[i][2 * header.layer + header.kind] = self.store.span_checksum(
-                        entry.lease.slots[block], header.layer, header.kind)
+                    entry.span_sums[i][span] = self.store.span_checksum(entry.lease.slots[block], header.layer,
+                                                                        header.kind)
         spans = 2 * self.kv.num_layers
-        while (self.reuse and entry.next_commit < min(full, len(entry.lease.ids))
-               and entry.landed[entry.next_commit - usable] == spans):
+        while self.reuse and entry.next_commit < committed and entry.landed[entry.next_commit - usable] == spans:
             sums = entry.span_sums[entry.next_commit - usable]
             self.store.commit(entry.lease, entry.next_commit, checksums=None if None in sums else sums)
             entry.next_commit += 1
-        if entry.next_commit >= min(full, len(entry.lease.ids)):
+        if entry.next_commit >= committed:
             self.computing.done(entry.writer)
 
     # --- the request ends: its answer into the store, leases dropped -------------------------
