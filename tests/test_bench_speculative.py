@@ -30,5 +30,37 @@ def test_the_report_holds_together(model_dir):
         assert plain["tokens"] == spec["tokens"] > 0 and plain["seconds"] > 0 and spec["seconds"] > 0
         assert spec["accepted"] <= spec["proposed"] and spec["steps"] <= plain["steps"]
     assert rows["multiturn@1"]["speculative"]["accepted"] > 0  # repeating its own answer: drafts kept
+    # the replay at the default row cost drafts and keeps exactly what the engine did at batch 1
+    replayed, measured = report["replays"]["multiturn"]["0.4"], rows["multiturn@1"]["speculative"]
+    for key in ("proposed", "accepted", "drafts", "steps", "tokens"):
+        assert replayed[key] == measured[key], key
+    assert set(report["replays"]["multiturn"]) == {"0.4", "0.2", "0.1", "0.05", "0.0"}
     text = speculative.table(report)
-    assert "multiturn" in text and "on/off" in text
+    assert "multiturn" in text and "on/off" in text and "replayed at batch 1" in text
+
+
+def test_replay_by_hand():
+    """An answer that repeats its prompt, replayed with free verify rows: the first step drafts
+    five tokens and keeps them (six emitted), the second drafts the two that max_tokens leaves."""
+    from pdflow.bench.speculative_replay import replay
+    from pdflow.speculative import Speculation, proposer
+
+    prompt = list(range(1, 11))
+    spec = Speculation(proposer("ngram", None), 5, True, row_cost=0.0)
+    result = replay([prompt], [prompt], spec, max_tokens=10, max_context=4096)
+    assert result == {"tokens": 9, "steps": 2, "cost": 2.0, "proposed": 7, "accepted": 7, "drafts": 2,
+                      "ratio": 4.5}
+    costly = replay([prompt], [prompt], Speculation(proposer("ngram", None), 5, False, row_cost=0.5), 10, 4096)
+    assert costly["cost"] == 2 + 0.5 * costly["proposed"] and costly["ratio"] == 9 / costly["cost"]
+
+
+def test_replay_refuses_a_proposer_that_runs_the_model():
+    import pytest
+
+    from pdflow.bench.speculative_replay import replay
+    from pdflow.speculative import Speculation
+    from pdflow.speculative.self_draft import SelfDraftProposer
+
+    spec = Speculation(SelfDraftProposer(None), 5)
+    with pytest.raises(ValueError, match="self-draft"):
+        replay([[1, 2]], [[3, 4]], spec, 4, 4096)

@@ -17,6 +17,11 @@ uses, prefill excluded from the times, ``--batches`` sequences at a time: each g
 without speculation and with it, one after the other (the order alternating from group to group,
 so both see the same machine). The ratio is the speculative runs' tokens per second over the plain
 runs', from the same process.
+
+Then each workload's plain answers are replayed through the same proposer and adaptation at the
+costs of a verified row that ``--row-costs`` names (:mod:`pdflow.bench.speculative_replay`): what
+speculation would give on a machine whose verify rows cost that much against a one-row step (a
+GPU's cost a few percent), labelled as a model and set beside the ratio measured here.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 
 DESCRIPTION = __doc__
 WORKLOADS = ("rag", "rewrite", "multiturn", "chat")
+ROW_COST_NOTE = "0.4 with the default weights, docs/benchmarks.md"
 
 
 def passages(count: int, words: int = 90) -> list[tuple[str, str]]:
@@ -154,7 +160,9 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
 
     from pdflow.engine import load_model, load_tokenizer
     from pdflow.models import resolve
+    from pdflow.bench.speculative_replay import replay
     from pdflow.speculative import Speculation, proposer
+    from pdflow.speculative.speculation import ROW_COST
 
     torch.set_num_threads(args.threads)
     model_dir = resolve(args.model, progress=False)
@@ -163,12 +171,13 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
     options = dict(item.split("=", 1) for item in args.option)
     options = {key: int(value) for key, value in options.items()}
 
-    def speculation():
-        return Speculation(proposer(args.method, loaded, **options), args.num_tokens, not args.fixed)
+    def speculation(row_cost: float = ROW_COST):
+        return Speculation(proposer(args.method, loaded, **options), args.num_tokens, not args.fixed,
+                           row_cost=row_cost)
 
     report = {"model": args.model, "weights": args.weights or "default", "method": args.method,
               "num_tokens": args.num_tokens, "adaptive": not args.fixed, "options": options, "tokens": args.tokens,
-              "prompts": args.prompts, "rows": {}}
+              "prompts": args.prompts, "rows": {}, "replays": {}}
     for name in args.workloads:
         progress.write(f"{name}: prompts ...\n")
         ids = prompts(name, args.prompts, tokenizer, loaded, args.tokens)
@@ -180,6 +189,10 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
                 "workload": name, "batch": batch, "plain": plain, "speculative": spec,
                 "identical": sum(a == b for a, b in zip(plain_out, spec_out)), "answers": len(ids),
                 "prompt_tokens": sum(map(len, ids)) / len(ids)}
+        if args.row_costs:
+            report["replays"][name] = {
+                str(cost): replay(ids, plain_out, speculation(cost), args.tokens, loaded.max_context)
+                for cost in args.row_costs}
     return report
 
 
@@ -203,7 +216,25 @@ def table(report: dict) -> str:
     lines.append("accept: draft tokens kept / proposed; mean kept: draft tokens kept per draft verified (the "
                  "accepted length); TPOT: decode seconds per output token (m = ms), over the batch's tokens; "
                  "steps: the batch's decode steps; same: greedy answers identical with and without speculation")
+    if report.get("replays"):
+        lines += ["", *replay_table(report)]
     return "\n".join(lines)
+
+
+def replay_table(report: dict) -> list[str]:
+    """The replays beside the measured batch-1 ratio: on/off by the cost of a verified row."""
+    costs = list(next(iter(report["replays"].values())))
+    head = f"{'workload':10s} {'measured':>8s} " + " ".join(f"{'c=' + c:>8s}" for c in costs)
+    lines = ["replayed at batch 1 (a model: a step verifying d draft tokens costs 1 + c*d one-row steps; "
+             "the real proposer and adaptation over the plain answers)", head, "-" * len(head)]
+    for name, by_cost in report["replays"].items():
+        row = report["rows"].get(f"{name}@1")
+        measured = (f"{(row['speculative']['tokens'] / row['speculative']['seconds']) / (row['plain']['tokens'] / row['plain']['seconds']):7.2f}x"
+                    if row else f"{'-':>8s}")
+        lines.append(f"{name:10s} {measured:>8s} " + " ".join(f"{by_cost[c]['ratio']:7.2f}x" for c in costs))
+    lines.append("measured: tokens/s on/off at batch 1 in this run; c: a verified row's cost against a one-row step "
+                 f"(this machine's, measured: {ROW_COST_NOTE})")
+    return lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -219,6 +250,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=128, help="output tokens at most (default: %(default)s)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (default: 1 8)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    p.add_argument("--row-costs", type=float, nargs="*", default=[0.4, 0.2, 0.1, 0.05, 0.0], metavar="C",
+                   help="also replay each workload's plain answers through the proposer at these costs of a "
+                        "verified row against a one-row step (a model, pdflow.bench.speculative_replay; "
+                        "none: skip; default: 0.4 0.2 0.1 0.05 0)")
     p.add_argument("--out", type=__import__("pathlib").Path, help="also write the report as JSON here")
 
 
