@@ -166,6 +166,16 @@ def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):
                                            *lows, 96, y.data_ptr(), 2)
                 results.append(y)
             torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-4, msg=f"{name}, {rows} rows")
+    blocked = registry.load("int4-a16-blocked")().pack(torch.randn(96, 320))  # q4blocked.c: the very same sums
+    for rows in (1, 7):
+        x = torch.randn(rows, 320)
+        results = []
+        for library in (portable, lib):
+            y = torch.empty(rows, 96)
+            assert library.pdflow_q4b_gemm(x.data_ptr(), rows, 320, blocked.q.data_ptr(), blocked.scales.data_ptr(),
+                                           blocked.lows.data_ptr(), 96, y.data_ptr(), 2, 0) == 0
+            results.append(y)
+        assert torch.equal(results[0], results[1]), f"int4-a16-blocked, {rows} rows"
     logits = torch.randn(3, 1001)
     logits[0, 5] = logits[0, 900] = 9.0  # a tie
     logits[1, 77] = float("nan")

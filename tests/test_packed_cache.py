@@ -41,7 +41,7 @@ def _no_transformers(monkeypatch):
     monkeypatch.setattr(loader, "load_transformers_model", refuse)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int4-a16"])
+@pytest.mark.parametrize("weights", ["fp32", "int4-a16", "int4-a16-blocked"])
 def test_the_second_load_reads_the_packed_copy_and_computes_the_same(tiny, monkeypatch, weights):
     first = loader.load_model(tiny, weights=weights)
     path = packed_cache.path_for(tiny, weights, torch.float32)

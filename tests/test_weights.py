@@ -12,9 +12,10 @@ from pdflow.engine.weights.formats import quantize_int4
 
 # relative error of x @ W.T that each built-in format stays within on Gaussian data
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "int8": 2e-2, "int4": 0.15, "int8-a16": 2e-2, "int4-a16": 0.15,
-             "int8-a8": 3e-2, "int4-a8": 0.15}
+             "int8-a8": 3e-2, "int4-a8": 0.15, "int4-a16-blocked": 0.15}
 # bits per weight: per 32 weights, int8 an fp32 scale, int4 a scale and a minimum
-BITS = {"fp32": 32, "bf16": 16, "int8": 9, "int4": 6, "int8-a16": 9, "int4-a16": 6, "int8-a8": 9, "int4-a8": 6}
+BITS = {"fp32": 32, "bf16": 16, "int8": 9, "int4": 6, "int8-a16": 9, "int4-a16": 6, "int8-a8": 9, "int4-a8": 6,
+        "int4-a16-blocked": 6}
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -95,7 +96,7 @@ def test_kernels_and_their_pytorch_fallback_agree(name, monkeypatch):
     torch.testing.assert_close(packed(x), with_kernels, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["int8-a16", "int4-a16", "int8-a8", "int4-a8"])
+@pytest.mark.parametrize("name", ["int8-a16", "int4-a16", "int8-a8", "int4-a8", "int4-a16-blocked"])
 def test_quantized_activations_are_what_the_format_says(name):
     """x is quantized per group of 32 to 16 or 8 bits (scale = the group's largest magnitude /
     32767 or 127, nearest, ties to even) and multiplied by the packed weights: the kernels equal
@@ -105,7 +106,7 @@ def test_quantized_activations_are_what_the_format_says(name):
 
     assert kernels.library() is not None, kernels.unavailable_reason()
     torch.manual_seed(6)
-    top_code = 32767 if name.endswith("a16") else 127
+    top_code = 32767 if "a16" in name else 127
     for k in (320, 288):
         packed = registry.load(name)().pack(torch.randn(80, k) * 0.05, torch.randn(80))
         weight = packed.dequantized()
@@ -205,8 +206,9 @@ def test_a_model_the_compact_engine_cannot_run_says_why(tmp_path):
         assert load_model(tmp_path, weights=quiet).weights == "fp32"
 
 
+@pytest.mark.parametrize("weights", ["int4-a16", "int4-a16-blocked"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: biases on the fused QKV product
-def test_a_decode_step_wholly_in_c_equals_the_layer_by_layer_path(model_type, tmp_path, monkeypatch):
+def test_a_decode_step_wholly_in_c_equals_the_layer_by_layer_path(model_type, weights, tmp_path, monkeypatch):
     import pdflow.engine.decode as decode
     from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model, prefill
     from pdflow.messages import SamplingParams
@@ -217,7 +219,7 @@ def test_a_decode_step_wholly_in_c_equals_the_layer_by_layer_path(model_type, tm
             if name.endswith("bias"):  # initialised to zeros
                 parameter.normal_(0, 0.5)
     model.save_pretrained(tmp_path)
-    loaded = load_model(tmp_path, weights="int4-a16")
+    loaded = load_model(tmp_path, weights=weights)
     assert loaded.model.native_layers is not None
     seen: list[torch.Tensor] = []
     real_sample = decode.sample_batch
@@ -262,3 +264,47 @@ def test_a_decode_step_past_the_models_positions_is_refused_not_read_out_of_boun
         batch.add(Sequence("0", 128, result.first_token, sampler), kv.__getitem__)
         with pytest.raises(IndexError):
             batch.step()
+
+
+BLOCKED_PATHS = {1: "plain C", 2: "AVX-512 VNNI", 3: "AMX tiles"}
+
+
+@pytest.mark.parametrize("path", sorted(BLOCKED_PATHS))
+def test_blocked_int4_sums_the_same_on_every_path_and_with_any_rows_beside(path):
+    """int4-a16-blocked's products (q4blocked.c): every path this CPU can run gives the plain C
+    path's results bit for bit, and a row's result is the same alone as among 2..64 rows (AMX
+    tiles take 16 rows at a time, VNNI 4): what keeps a speculative verify pass equal to a plain
+    step."""
+    from pdflow.engine import kernels
+
+    lib = kernels.library()
+    assert lib is not None, kernels.unavailable_reason()
+    if not lib.pdflow_q4b_paths() & (1 << path):
+        pytest.skip(f"this CPU or build has no {BLOCKED_PATHS[path]}")
+    torch.manual_seed(9)
+    packed = registry.load("int4-a16-blocked")().pack(torch.randn(96, 288) * 0.05)  # 9 groups: an odd number
+    for rows in (1, 2, 5, 16, 17, 64):
+        x = torch.randn(rows, 288) * torch.linspace(0.1, 10, 288)
+        got = packed.matmul(x, path)
+        assert torch.equal(got, packed.matmul(x, 1)), rows
+        alone = torch.cat([packed.matmul(x[i : i + 1], path) for i in range(rows)])
+        assert torch.equal(got, alone), rows
+
+
+def test_blocked_int4_holds_int4s_weights_in_another_order():
+    """The same codes, scales and minimums as int4 (so the same dequantized weight), laid out in
+    blocks of 16 outputs; a matrix whose outputs are not a multiple of 16 stays int8 (as the
+    output projection does)."""
+    from pdflow.engine.weights.formats import _Blocked, _Grouped, unpack_blocked
+
+    torch.manual_seed(10)
+    weight = torch.randn(48, 96)
+    blocked, plain = registry.load("int4-a16-blocked")().pack(weight), registry.load("int4")().pack(weight)
+    assert isinstance(blocked, _Blocked)
+    torch.testing.assert_close(blocked.dequantized(), plain.dequantized(), rtol=0, atol=0)
+    codes, _, _ = quantize_int4(weight)
+    assert torch.equal(unpack_blocked(blocked.q, 48, 96), codes)
+    assert blocked.nbytes == plain.nbytes
+    for odd in (torch.randn(40, 96), weight):
+        packed = registry.load("int4-a16-blocked")().pack(odd, output=odd is weight)
+        assert isinstance(packed, _Grouped) and packed.lows is None

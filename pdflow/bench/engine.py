@@ -21,7 +21,7 @@ from pathlib import Path
 # torch is imported in the functions that use it: `pdflow --help` and its siblings need not load it
 
 DESCRIPTION = __doc__
-FORMATS = ("fp32", "bf16", "int8", "int4", "int8-a16", "int4-a16", "int8-a8", "int4-a8")
+FORMATS = ("fp32", "bf16", "int8", "int4", "int8-a16", "int4-a16", "int8-a8", "int4-a8", "int4-a16-blocked")
 TASKS = ("Explain {} to a child in three sentences.", "Write a short poem about {}.",
          "List three facts about {}.", "What is the history of {}?", "Give me advice about {}.",
          "Describe {} in one paragraph.", "Why do people care about {}?", "Tell a short story about {}.",

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdflow.engine.kernels")
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-SOURCES = (SOURCE, Path(__file__).with_name("kvquant.c"))
+SOURCES = (SOURCE, Path(__file__).with_name("kvquant.c"), Path(__file__).with_name("q4blocked.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 MAX_ROWS = 64  # rows of x one call takes (the C side's tiles); more go to sgemm
@@ -151,6 +151,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "pdflow_argmax_rows"):  # not in builds of earlier commits (compare_kernel_builds.py)
         lib.pdflow_argmax_rows.argtypes = [p, i64, i64, p]
         lib.pdflow_argmax_rows.restype = None
+    if hasattr(lib, "pdflow_q4b_gemm"):  # (not in a build of qgemm.c alone)
+        lib.pdflow_q4b_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, i32, i32]
+        lib.pdflow_q4b_gemm.restype = i32
+        lib.pdflow_q4b_paths.argtypes = []
+        lib.pdflow_q4b_paths.restype = i32
+        lib.pdflow_q4b_dequantize.argtypes = [p, p, p, i64, i64, p, i32]
+        lib.pdflow_q4b_dequantize.restype = None
     if hasattr(lib, "pdflow_kv_encode"):  # a build of qgemm.c alone (scripts/compare_kernel_builds.py) has none
         lib.pdflow_kv_encode.argtypes = [p, i64, i64, i64, i32, i64, i32, i32, p, i64]
         lib.pdflow_kv_encode.restype = i32

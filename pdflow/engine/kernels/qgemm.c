@@ -822,6 +822,11 @@ static void q8a16_product(const int16_t *xq, const float *xs, int64_t rows, int6
 
 #endif
 
+/* x's rows quantized to int16 per group (q4blocked.c's products share the rule) */
+void pdflow_quantize16(const float *x, int64_t rows, int64_t k, int16_t *xq, float *xs, float *xsum) {
+    quantize_rows16(x, rows, k, xq, xs, xsum);
+}
+
 /* the entry points: quantize x's rows once (a small buffer), then the product */
 void pdflow_q4a8_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, const float *scale,
                       const float *low, int64_t n_out, float *y, int threads) {
@@ -1350,7 +1355,8 @@ void pdflow_decode_attention(const float *q, int64_t batch, int64_t heads, int64
  * formats' own buffers); keys[l] / values[l] are layer l's cache, addressed as in
  * pdflow_decode_attention; kv_keep (NULL: all) is (n_layers, kv_heads), as there per layer. */
 typedef struct {
-    int32_t bits;             /* 8: int8 weights; 4: int4 weights (with low) */
+    int32_t bits;             /* 8: int8 weights; 4: int4 weights (with low); 5: int4 in blocks of 16 outputs
+                               * (q4blocked.c; int16 activations) */
     int32_t activation_bits;  /* 32: fp32 activations; 16 or 8: quantized per group at each product */
     int64_t n_out, k;
     const void *q;
@@ -1362,8 +1368,13 @@ typedef struct {
     pdflow_matrix qkv, o, gate_up, down;
 } pdflow_layer;
 
+int pdflow_q4b_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, const float *scale, const float *low,
+                    int64_t n_out, float *y, int threads, int path) __attribute__((weak));  /* q4blocked.c */
+
 static void matrix_product(const pdflow_matrix *w, const float *x, int64_t rows, float *y, int threads) {
-    if (w->bits == 4) {
+    if (w->bits == 5) {
+        pdflow_q4b_gemm(x, rows, w->k, w->q, w->scale, w->low, w->n_out, y, threads, 0);
+    } else if (w->bits == 4) {
         if (w->activation_bits == 8) pdflow_q4a8_gemm(x, rows, w->k, w->q, w->scale, w->low, w->n_out, y, threads);
         else if (w->activation_bits == 16) pdflow_q4a16_gemm(x, rows, w->k, w->q, w->scale, w->low, w->n_out, y, threads);
         else pdflow_q4_gemm(x, rows, w->k, w->q, w->scale, w->low, w->n_out, y, threads);

@@ -17,6 +17,7 @@ BUILTIN = {
     "int4-a16": ("pdflow.engine.weights.formats:Int4A16", ""),
     "int8-a8": ("pdflow.engine.weights.formats:Int8A8", ""),
     "int4-a8": ("pdflow.engine.weights.formats:Int4A8", ""),
+    "int4-a16-blocked": ("pdflow.engine.weights.formats:Int4A16Blocked", ""),
 }
 registry = Registry("weight format", ENTRY_POINT_GROUP, WeightFormat, BUILTIN)
 

