@@ -66,14 +66,14 @@ def test_replay_refuses_a_proposer_that_runs_the_model():
         replay([[1, 2]], [[3, 4]], spec, 4, 4096)
 
 
-def test_blocked_weights_keep_greedy_answers_identical(model_dir):
-    """With int4-a16-blocked weights (AMX tiles for a verify pass's rows where the CPU has them,
-    VNNI for one row) speculation's answers are still the plain ones, token for token."""
+def test_the_row_major_int4_weights_keep_greedy_answers_identical(model_dir):
+    """With int4-a16 weights (the row-major layout the default's blocks replaced) speculation's
+    answers are still the plain ones, token for token."""
     parser = argparse.ArgumentParser()
     speculative.add_arguments(parser)
-    args = parser.parse_args(["--weights", "int4-a16-blocked", "--prompts", "2", "--tokens", "16", "--batches", "1",
+    args = parser.parse_args(["--weights", "int4-a16", "--prompts", "2", "--tokens", "16", "--batches", "1",
                               "--workloads", "rewrite", "--row-costs"])
     report = speculative.run(args, progress=open("/dev/null", "w"))
     row = report["rows"]["rewrite@1"]
-    assert report["weights"] == "int4-a16-blocked" and not report["replays"]
+    assert report["weights"] == "int4-a16" and not report["replays"]
     assert row["identical"] == row["answers"] == 2 and row["speculative"]["proposed"] > 0

@@ -166,16 +166,7 @@ def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):
                                            *lows, 96, y.data_ptr(), 2)
                 results.append(y)
             torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-4, msg=f"{name}, {rows} rows")
-    blocked = registry.load("int4-a16-blocked")().pack(torch.randn(96, 320))  # q4blocked.c: the very same sums
-    for rows in (1, 7):
-        x = torch.randn(rows, 320)
-        results = []
-        for library in (portable, lib):
-            y = torch.empty(rows, 96)
-            assert library.pdflow_q4b_gemm(x.data_ptr(), rows, 320, blocked.q.data_ptr(), blocked.scales.data_ptr(),
-                                           blocked.lows.data_ptr(), 96, y.data_ptr(), 2, 0) == 0
-            results.append(y)
-        assert torch.equal(results[0], results[1]), f"int4-a16-blocked, {rows} rows"
+    _same_blocked_sums(portable, lib, 96, 320, (1, 7))  # q4blocked.c: the very same sums
     logits = torch.randn(3, 1001)
     logits[0, 5] = logits[0, 900] = 9.0  # a tie
     logits[1, 77] = float("nan")
@@ -197,3 +188,41 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(served_model):
         together = matrix(x)
         alone = torch.cat([matrix(x[i : i + 1]) for i in range(7)])
         assert torch.equal(together, alone), name
+
+
+def test_a_build_without_avx512_sums_blocked_int4_the_same(tmp_path):
+    """int4-a16-blocked on a CPU with AVX2 but no AVX-512 (here: this file built with AVX-512 and
+    AMX turned off) takes its AVX2 path, and gives this machine's results bit for bit."""
+    import ctypes
+    import shutil
+
+    lib = kernels.library()
+    compiler = kernels._compiler()
+    if lib is None or compiler is None or not shutil.which(compiler):
+        pytest.skip(kernels.unavailable_reason() or "no compiler")
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    target = tmp_path / "avx2.so"
+    subprocess.run([compiler, "-O2", "-march=native", "-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-fopenmp",
+                    "-shared", "-fPIC", "-o", str(target), *map(str, kernels.SOURCES), "-lm"],
+                   check=True, capture_output=True, timeout=300)
+    avx2 = kernels._declare(ctypes.CDLL(str(target)))
+    assert avx2.pdflow_q4b_paths() == (1 << 1) | (1 << 4)  # plain C and AVX2
+    torch.manual_seed(8)
+    _same_blocked_sums(avx2, lib, 64, 288, (1, 2, 5))
+
+
+def _same_blocked_sums(other, lib, n_out: int, k: int, row_counts) -> None:
+    """int4-a16-blocked's product from two builds of the kernels: the same floats, bit for bit."""
+    from pdflow.engine.weights import registry
+
+    blocked = registry.load("int4-a16-blocked")().pack(torch.randn(n_out, k) * 0.05)
+    for rows in row_counts:
+        x = torch.randn(rows, k)
+        results = []
+        for library in (other, lib):
+            y = torch.empty(rows, n_out)
+            assert library.pdflow_q4b_gemm(x.data_ptr(), rows, k, blocked.q.data_ptr(), blocked.scales.data_ptr(),
+                                           blocked.lows.data_ptr(), n_out, y.data_ptr(), 2, 0) == 0
+            results.append(y)
+        assert torch.equal(results[0], results[1]), f"int4-a16-blocked, {rows} rows"

@@ -266,15 +266,15 @@ def test_a_decode_step_past_the_models_positions_is_refused_not_read_out_of_boun
             batch.step()
 
 
-BLOCKED_PATHS = {1: "plain C", 2: "AVX-512 VNNI", 3: "AMX tiles"}
+BLOCKED_PATHS = {1: "plain C", 2: "AVX-512 VNNI", 3: "AMX tiles", 4: "AVX2 (a build without AVX-512)"}
 
 
 @pytest.mark.parametrize("path", sorted(BLOCKED_PATHS))
 def test_blocked_int4_sums_the_same_on_every_path_and_with_any_rows_beside(path):
     """int4-a16-blocked's products (q4blocked.c): every path this CPU can run gives the plain C
     path's results bit for bit, and a row's result is the same alone as among 2..64 rows (AMX
-    tiles take 16 rows at a time, VNNI 4): what keeps a speculative verify pass equal to a plain
-    step."""
+    tiles take 16 rows at a time, VNNI 4, AVX2 2): what keeps a speculative verify pass equal to
+    a plain step. (The AVX2 path is in builds without AVX-512: tests/test_kernels.py builds one.)"""
     from pdflow.engine import kernels
 
     lib = kernels.library()

@@ -31,7 +31,7 @@ TOKEN_PRODUCERS = {"disaggregated": ("prefill", "decode"), "colocated": ("worker
 KV_STREAMING = ("layer", "request")
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int8-a16", "int4-a16", "int8-a8", "int4-a8", "int4-a16-blocked")  # the built-in ones (pdflow.engine.weights)
-DEFAULT_WEIGHTS = "int4-a16"  # the fastest format whose greedy answers agree with fp32's >= 99% (docs/benchmarks.md)
+DEFAULT_WEIGHTS = "int4-a16-blocked"  # the fastest format whose greedy answers agree with fp32's >= 99% (docs/benchmarks.md)
 # the disaggregated mode's links: the prompt's KV, a cached prefix to prefill, answers back to the store
 LINK_PAIRS = (("prefill", "kv_shuttle"), ("kv_shuttle", "decode"), ("kv_shuttle", "prefill"), ("decode", "kv_shuttle"))
 DEFAULT_PORTS = {

@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from pdflow.config.pipeline import DEFAULT_WEIGHTS
+
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
@@ -47,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="the profile to write (JSON)")
     p.add_argument("--model", default="smollm2",
                    help="a known model or a Hugging Face directory (default: %(default)s)")
-    p.add_argument("--weights", default="int4-a16", help="weight format (default: %(default)s, the topology's)")
+    p.add_argument("--weights", default=DEFAULT_WEIGHTS, help="weight format (default: %(default)s, the topology's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--prefill", type=int, nargs="+", default=[64, 256, 1024, 2048],
                    help="prefill lengths (default: 64 256 1024 2048)")

@@ -10,9 +10,10 @@ this step):
   before any evidence), and drafts the ``k`` (up to
   ``num_tokens``) that maximizes the tokens a step yields per its cost, ``(1 - a^(k+1)) / (1 - a)``
   over ``1 + c * k``, where ``c`` is what one more verified row costs against the sequence's share
-  of a step: ``row_cost`` (one more row against a one-row step; 0.4 by default, as measured here
-  with the default weights: a 400-token sequence's step took 5.0 ms for one row, 7.2 for two, 10.6
-  for four, 15.9 for six) at batch 1, rising with the batch, ``row_cost * B / (1 + row_cost * (B -
+  of a step: ``row_cost`` (one more row against a one-row step; 0.4 by default, as measured here:
+  with ``int4-a16`` weights a 400-token sequence's step took 5.0 ms for one row, 7.2 for two, 10.6
+  for four, 15.9 for six; with ``int4-a16-blocked``, the default, 0.3-0.4 of a one-row step that is
+  itself faster: scripts/profile_verify_rows.py) at batch 1, rising with the batch, ``row_cost * B / (1 + row_cost * (B -
   1))`` (0.84 at batch 8): on a CPU already computing, not waiting on memory, more rows cost about
   what they add, so a larger batch drafts only where nearly every draft token is kept. A sequence whose drafts keep failing drafts nothing;
   every ``probe_every`` steps it drafts one token again, to notice when its output starts

@@ -16,7 +16,7 @@
  * bytes) and, row by row, the second operand of VPDPBUSD for 16 outputs. Scales and minimums
  * are (blocks, groups, 16) floats.
  *
- * Arithmetic, identical on every path (AMX tiles, AVX-512 VNNI, plain C), for output n and row m
+ * Arithmetic, identical on every path (AMX tiles, AVX-512 VNNI, AVX2, plain C), for output n and row m
  * with x quantized to int16 per group (xq, scale xs, xsum = xs * sum of xq: qgemm.c's rule):
  *     D = sum over the group's 32 inputs of xq * code             (exact in int32)
  *     acc = fma(float(D) * xs[m][g], scale[n][g], acc)
@@ -44,6 +44,12 @@ void pdflow_quantize16(const float *x, int64_t rows, int64_t k, int16_t *xq, flo
 #else
 #define Q4B_VNNI 0
 #endif
+#if !Q4B_VNNI && defined(__AVX2__) && defined(__FMA__)
+#define Q4B_AVX2 1
+#include <immintrin.h>
+#else
+#define Q4B_AVX2 0
+#endif
 #if Q4B_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define Q4B_AMX 1
 #include <sys/syscall.h>
@@ -52,7 +58,7 @@ void pdflow_quantize16(const float *x, int64_t rows, int64_t k, int16_t *xq, flo
 #define Q4B_AMX 0
 #endif
 
-enum { PATH_AUTO = 0, PATH_PLAIN = 1, PATH_VNNI = 2, PATH_AMX = 3 };
+enum { PATH_AUTO = 0, PATH_PLAIN = 1, PATH_VNNI = 2, PATH_AMX = 3, PATH_AVX2 = 4 };
 /* Rows from which the AMX path is taken: a tile product's group is a chain of dependent steps
  * (unpack, store, tile loads, two products, tile stores) that costs about 45 ns whatever the rows,
  * so below this VNNI is faster (measured on SmolLM2's products: 1 row 0.5x VNNI's speed, 8 rows
@@ -171,6 +177,67 @@ static void q4b_vnni(const uint8_t *lo, const int8_t *hi, const float *xs, const
 }
 #endif
 
+#if Q4B_AVX2
+/* CPUs with AVX2 but not AVX-512 VNNI: the same integer sums from byte products summed in pairs
+ * (VPMADDUBSW: at most 255 * 15 * 2, no saturation) and then in fours (VPMADDWD by ones), 8
+ * outputs a vector, the block's two halves side by side; the same float steps lane for lane. */
+static inline void q4b_avx2_tile(const uint8_t *lo, const int8_t *hi, const float *xs, const float *xsum, const int R,
+                                 int64_t k, const uint8_t *qb, const float *sb, const float *lb, float *y,
+                                 int64_t n_out) {
+    const int64_t groups = k / Q4B_GROUP;
+    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[2][2], lows[2][2];
+    for (int t = 0; t < R; t++)
+        for (int h = 0; h < 2; h++) acc[t][h] = lows[t][h] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *qg = qb + g * Q4B_BYTES;
+        for (int h = 0; h < 2; h++) {  /* outputs 8h .. 8h + 7: bytes 32h .. 32h + 31 of each B row */
+            __m256i w[8];
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qg + 64 * j + 32 * h));
+                w[j] = _mm256_and_si256(v, nibble);
+                w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            }
+            const __m256 sw = _mm256_loadu_ps(sb + g * Q4B_BLOCK + 8 * h), lw = _mm256_loadu_ps(lb + g * Q4B_BLOCK + 8 * h);
+            for (int t = 0; t < R; t++) {
+                const uint8_t *xl = lo + t * k + g * Q4B_GROUP;
+                const int8_t *xh = hi + t * k + g * Q4B_GROUP;
+                __m256i dl = _mm256_setzero_si256(), dh = _mm256_setzero_si256();
+                for (int r = 0; r < 8; r++) {
+                    int32_t l4, h4;
+                    memcpy(&l4, xl + 4 * r, 4);
+                    memcpy(&h4, xh + 4 * r, 4);
+                    dl = _mm256_add_epi32(dl, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(l4), w[r]), ones));
+                    dh = _mm256_add_epi32(dh, _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], _mm256_set1_epi32(h4)), ones));
+                }
+                const __m256 d = _mm256_cvtepi32_ps(_mm256_add_epi32(dl, _mm256_slli_epi32(dh, 8)));
+                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[t * groups + g])), sw, acc[t][h]);
+                lows[t][h] = _mm256_fmadd_ps(lw, _mm256_set1_ps(xsum[t * groups + g]), lows[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < R; t++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + t * n_out + 8 * h, _mm256_add_ps(acc[t][h], lows[t][h]));
+}
+
+static void q4b_avx2(const uint8_t *lo, const int8_t *hi, const float *xs, const float *xsum, int64_t rows, int64_t k,
+                     const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t m = 0; m < rows; m += 2) {
+            const int64_t at = b * groups;
+            float *out = y + m * n_out + b * Q4B_BLOCK;
+            if (rows - m >= 2)
+                q4b_avx2_tile(lo + m * k, hi + m * k, xs + m * groups, xsum + m * groups, 2, k, q + at * Q4B_BYTES,
+                              scale + at * Q4B_BLOCK, low + at * Q4B_BLOCK, out, n_out);
+            else
+                q4b_avx2_tile(lo + m * k, hi + m * k, xs + m * groups, xsum + m * groups, 1, k, q + at * Q4B_BYTES,
+                              scale + at * Q4B_BLOCK, low + at * Q4B_BLOCK, out, n_out);
+        }
+}
+#endif
+
 #if Q4B_AMX
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -261,6 +328,9 @@ int pdflow_q4b_paths(void) {
 #if Q4B_VNNI
     paths |= 1 << PATH_VNNI;
 #endif
+#if Q4B_AVX2
+    paths |= 1 << PATH_AVX2;
+#endif
 #if Q4B_AMX
     if (q4b_amx_ready()) paths |= 1 << PATH_AMX;
 #endif
@@ -274,7 +344,8 @@ int pdflow_q4b_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, c
                     int64_t n_out, float *y, int threads, int path) {
     const int paths = pdflow_q4b_paths();
     if (path == PATH_AUTO)
-        path = (paths & (1 << PATH_AMX)) && rows >= AMX_ROWS ? PATH_AMX : (paths & (1 << PATH_VNNI)) ? PATH_VNNI : PATH_PLAIN;
+        path = (paths & (1 << PATH_AMX)) && rows >= AMX_ROWS ? PATH_AMX
+               : (paths & (1 << PATH_VNNI)) ? PATH_VNNI : (paths & (1 << PATH_AVX2)) ? PATH_AVX2 : PATH_PLAIN;
     if (!(paths & (1 << path))) return -1;
     const int64_t groups = k / Q4B_GROUP;
     int16_t *xq = aligned_alloc(64, (size_t)(rows * k * 2 + 63) / 64 * 64);
@@ -294,6 +365,9 @@ int pdflow_q4b_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, c
 #endif
 #if Q4B_VNNI
         if (path == PATH_VNNI) q4b_vnni(lo, hi, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
+#endif
+#if Q4B_AVX2
+        if (path == PATH_AVX2) q4b_avx2(lo, hi, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
 #endif
         free(lo);
     }

@@ -18,8 +18,8 @@
 - ``int4-a16-blocked``: ``int4-a16``'s codes, scales and minimums (the same weight), stored in
   blocks of 16 outputs so that 16 outputs are a vector's lanes or an AMX tile's columns
   (``q4blocked.c``): each group's integer dot product is whole, nothing is reduced across lanes,
-  and every path (AMX tiles for 2+ rows where the CPU has them, AVX-512 VNNI, plain C) sums in
-  the same order, so results are bit for bit the same on any of them and with any rows beside.
+  and every path (AMX tiles for 12+ rows where the CPU has them, AVX-512 VNNI, AVX2, plain C)
+  sums in the same order, so results are bit for bit the same on any of them and with any rows beside.
   Not bit for bit ``int4-a16``'s (its sums are ordered otherwise). A matrix whose outputs are not
   a multiple of 16 is ``int8-a16``, as the output projection is.
 
@@ -306,8 +306,8 @@ class _Blocked(PackedLinear):
 
 class Int4A16Blocked(Int4):
     name = "int4-a16-blocked"
-    kernel = ("pdflow q4blocked.c int4 x int16 in blocks of 16 outputs (AMX tiles for 2+ rows where the CPU has "
-              "them, else AVX-512 VNNI, else plain C; every path the same sums), lm_head int8 x int16; prefill "
+    kernel = ("pdflow q4blocked.c int4 x int16 in blocks of 16 outputs (AMX tiles for 12+ rows where the CPU has "
+              "them, else AVX-512 VNNI, AVX2 or plain C: every path the same sums), lm_head int8 x int16; prefill "
               "(past 64 rows): sgemm on a dequantized copy")
     activation_bits = 16
 
