@@ -87,8 +87,27 @@ def main() -> int:
             seconds = (time.perf_counter() - began) / n
             macs = rows * x.shape[1] * y.shape[-1]
             print(f"  {name:8s} rows {rows:2d}: {seconds * 1e6:8.1f} us, {seconds / rows * 1e6:8.1f} us a row, "
-                  f"{macs / seconds / 1e9:5.1f} GMAC/s")
+                  f"{macs / seconds / 1e9:5.1f} GMAC/s{_by_path(product, x, n)}")
     return 0
+
+
+def _by_path(product, x, n: int) -> str:
+    """For int4-a16-blocked: each kernel path's time for the same product (the same results)."""
+    from pdflow.engine import kernels
+    from pdflow.engine.weights.formats import _Blocked
+
+    lib = kernels.library()
+    if not isinstance(product, _Blocked) or lib is None:
+        return ""
+    times = []
+    for path, name in ((2, "vnni"), (3, "amx"), (4, "avx2")):
+        if lib.pdflow_q4b_paths() & (1 << path):
+            product.matmul(x, path)
+            began = time.perf_counter()
+            for _ in range(n):
+                product.matmul(x, path)
+            times.append(f"{name} {(time.perf_counter() - began) / n * 1e6:.1f} us")
+    return "; " + ", ".join(times)
 
 
 if __name__ == "__main__":
