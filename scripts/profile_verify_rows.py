@@ -16,7 +16,6 @@ import torch
 
 from pdflow.engine import Sampler, Sequence, load_model, prefill
 from pdflow.engine.paged import KvPool, PagedDecodeBatch
-from pdflow.engine.weights.formats import GROUP
 from pdflow.kv.arena import ArenaLayout
 from pdflow.messages import SamplingParams
 from pdflow.models import resolve
@@ -77,7 +76,7 @@ def main() -> int:
     for name, product in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down),
                           ("lm_head", head)):
         for rows in (1, 4, 8, 16):
-            x = torch.randn(rows, product.scales.shape[-1] * GROUP)  # groups of GROUP inputs
+            x = torch.randn(rows, product.in_features)
             for _ in range(3):
                 y = product(x)
             n = max(3, opts.repeat * (1 if name == "lm_head" else 10))

@@ -213,16 +213,25 @@ def test_a_build_without_avx512_sums_blocked_int4_the_same(tmp_path):
 
 
 def _same_blocked_sums(other, lib, n_out: int, k: int, row_counts) -> None:
-    """int4-a16-blocked's product from two builds of the kernels: the same floats, bit for bit."""
+    """int4-a16-blocked's products (int4, and the int8 of its output projection) from two builds
+    of the kernels: the same floats, bit for bit."""
     from pdflow.engine.weights import registry
+    from pdflow.engine.weights.formats import _Blocked, block_int8, quantize_int8
 
-    blocked = registry.load("int4-a16-blocked")().pack(torch.randn(n_out, k) * 0.05)
+    weight = torch.randn(n_out, k) * 0.05
+    blocked = registry.load("int4-a16-blocked")().pack(weight)
+    head = _Blocked(*block_int8(*quantize_int8(weight)), None, n_out, k, None)
     for rows in row_counts:
         x = torch.randn(rows, k)
-        results = []
+        results, heads = [], []
         for library in (other, lib):
             y = torch.empty(rows, n_out)
             assert library.pdflow_q4b_gemm(x.data_ptr(), rows, k, blocked.q.data_ptr(), blocked.scales.data_ptr(),
                                            blocked.lows.data_ptr(), n_out, y.data_ptr(), 2, 0) == 0
             results.append(y)
+            y = torch.empty(rows, n_out)
+            assert library.pdflow_q8b_gemm(x.data_ptr(), rows, k, head.q.data_ptr(), head.scales.data_ptr(), n_out,
+                                           y.data_ptr(), 2, 0) == 0
+            heads.append(y)
         assert torch.equal(results[0], results[1]), f"int4-a16-blocked, {rows} rows"
+        assert torch.equal(heads[0], heads[1]), f"int4-a16-blocked's int8, {rows} rows"

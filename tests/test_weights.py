@@ -282,20 +282,27 @@ def test_blocked_int4_sums_the_same_on_every_path_and_with_any_rows_beside(path)
     if not lib.pdflow_q4b_paths() & (1 << path):
         pytest.skip(f"this CPU or build has no {BLOCKED_PATHS[path]}")
     torch.manual_seed(9)
-    packed = registry.load("int4-a16-blocked")().pack(torch.randn(96, 288) * 0.05)  # 9 groups: an odd number
-    for rows in (1, 2, 5, 16, 17, 64):
-        x = torch.randn(rows, 288) * torch.linspace(0.1, 10, 288)
-        got = packed.matmul(x, path)
-        assert torch.equal(got, packed.matmul(x, 1)), rows
-        alone = torch.cat([packed.matmul(x[i : i + 1], path) for i in range(rows)])
-        assert torch.equal(got, alone), rows
+    weight = torch.randn(96, 288) * 0.05  # 9 groups: an odd number
+    matrices = [registry.load("int4-a16-blocked")().pack(weight)]
+    if path != 4:  # int8 (the output projection) has no AVX2 path
+        from pdflow.engine.weights.formats import _Blocked, block_int8, quantize_int8
+
+        matrices.append(_Blocked(*block_int8(*quantize_int8(weight)), None, 96, 288, None))
+    for packed in matrices:
+        for rows in (1, 2, 5, 16, 17, 64):
+            x = torch.randn(rows, 288) * torch.linspace(0.1, 10, 288)
+            got = packed.matmul(x, path)
+            assert torch.equal(got, packed.matmul(x, 1)), rows
+            alone = torch.cat([packed.matmul(x[i : i + 1], path) for i in range(rows)])
+            assert torch.equal(got, alone), rows
 
 
 def test_blocked_int4_holds_int4s_weights_in_another_order():
     """The same codes, scales and minimums as int4 (so the same dequantized weight), laid out in
-    blocks of 16 outputs; a matrix whose outputs are not a multiple of 16 stays int8 (as the
-    output projection does)."""
-    from pdflow.engine.weights.formats import _Blocked, _Grouped, unpack_blocked
+    blocks of 16 outputs; the output projection is int8's weights in the same blocks where the
+    kernels have AVX-512 VNNI (row-major int8 elsewhere); a matrix whose outputs are not a multiple
+    of 16 stays row-major int8."""
+    from pdflow.engine.weights.formats import _blocked_int8_pays, _Blocked, _Grouped, unpack_blocked
 
     torch.manual_seed(10)
     weight = torch.randn(48, 96)
@@ -305,6 +312,8 @@ def test_blocked_int4_holds_int4s_weights_in_another_order():
     codes, _, _ = quantize_int4(weight)
     assert torch.equal(unpack_blocked(blocked.q, 48, 96), codes)
     assert blocked.nbytes == plain.nbytes
-    for odd in (torch.randn(40, 96), weight):
-        packed = registry.load("int4-a16-blocked")().pack(odd, output=odd is weight)
-        assert isinstance(packed, _Grouped) and packed.lows is None
+    head = registry.load("int4-a16-blocked")().pack(weight, output=True)
+    assert head.lows is None and isinstance(head, _Blocked if _blocked_int8_pays() else _Grouped)
+    torch.testing.assert_close(head.dequantized(), registry.load("int8")().pack(weight).dequantized(), rtol=0, atol=0)
+    packed = registry.load("int4-a16-blocked")().pack(torch.randn(40, 96))
+    assert isinstance(packed, _Grouped) and packed.lows is None

