@@ -30,11 +30,11 @@ def test_the_report_holds_together(model_dir):
         assert plain["tokens"] == spec["tokens"] > 0 and plain["seconds"] > 0 and spec["seconds"] > 0
         assert spec["accepted"] <= spec["proposed"] and spec["steps"] <= plain["steps"]
     assert rows["multiturn@1"]["speculative"]["accepted"] > 0  # repeating its own answer: drafts kept
-    # the replay at the default row cost drafts and keeps exactly what the engine did at batch 1
-    replayed, measured = report["replays"]["multiturn"]["0.4"], rows["multiturn@1"]["speculative"]
+    # the replay at the run's own row cost drafts and keeps exactly what the engine did at batch 1
+    replayed, measured = report["replays"]["multiturn"][str(args.row_cost)], rows["multiturn@1"]["speculative"]
     for key in ("proposed", "accepted", "drafts", "steps", "tokens"):
         assert replayed[key] == measured[key], key
-    assert set(report["replays"]["multiturn"]) == {"0.4", "0.2", "0.1", "0.05", "0.0"}
+    assert list(report["replays"]["multiturn"]) == [str(args.row_cost), "0.4", "0.2", "0.1", "0.05", "0.0"]
     text = speculative.table(report)
     assert "multiturn" in text and "on/off" in text and "replayed at batch 1" in text
 

@@ -247,7 +247,7 @@ class SpeculativeConfig:
     num_tokens: int = 5
     adaptive: bool = True
     max_rows: int = 64
-    row_cost: float = 0.4  # pdflow.speculative.speculation.ROW_COST
+    row_cost: float = 0.25  # pdflow.speculative.speculation.ROW_COST
     probe_every: int = 8
     options: dict[str, Any] = field(default_factory=dict)
 

@@ -10,11 +10,11 @@ this step):
   before any evidence), and drafts the ``k`` (up to
   ``num_tokens``) that maximizes the tokens a step yields per its cost, ``(1 - a^(k+1)) / (1 - a)``
   over ``1 + c * k``, where ``c`` is what one more verified row costs against the sequence's share
-  of a step: ``row_cost`` (one more row against a one-row step; 0.4 by default, as measured here:
-  with ``int4-a16`` weights a 400-token sequence's step took 5.0 ms for one row, 7.2 for two, 10.6
-  for four, 15.9 for six; with ``int4-a16-blocked``, the default, 0.3-0.4 of a one-row step that is
-  itself faster: scripts/profile_verify_rows.py) at batch 1, rising with the batch, ``row_cost * B / (1 + row_cost * (B -
-  1))`` (0.84 at batch 8): on a CPU already computing, not waiting on memory, more rows cost about
+  of a step: ``row_cost`` (one more row against a one-row step; 0.25 by default, as measured here
+  with the default ``int4-a16-blocked`` weights: a 400-token sequence's pass took 4.6 ms for one
+  row, 5.6 for two, 8.3 for four, 14.8 for eight, 0.21-0.31 a further row,
+  scripts/profile_verify_rows.py; 0.4 with ``int4-a16``) at batch 1, rising with the batch, ``row_cost * B / (1 + row_cost * (B -
+  1))`` (0.73 at batch 8): on a CPU already computing, not waiting on memory, more rows cost about
   what they add, so a larger batch drafts only where nearly every draft token is kept. A sequence whose drafts keep failing drafts nothing;
   every ``probe_every`` steps it drafts one token again, to notice when its output starts
   repeating. So speculation costs a workload it does not fit little more than the probes;
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ROW_COST", "Speculation", "speculative_step"]
 
-ROW_COST = 0.4  # one more row of a verify pass against a whole one-row step (see the module doc)
+ROW_COST = 0.25  # one more row of a verify pass against a whole one-row step (see the module doc)
 _DECAY = 0.9  # how much of a sequence's acceptance history each verify keeps
 _PRIOR = (0.4, 0.5)  # before any verify: half a verify's worth of evidence that 80% of drafts are kept
 
