@@ -1,5 +1,6 @@
 /* int4 weights in blocks of 16 outputs, times int16 activations: the products of the
- * "int4-a16-blocked" weight format (pdflow/engine/weights/formats.py).
+ * "int4-a16-blocked" weight format (pdflow/engine/weights/formats.py), and int8 weights in the
+ * same blocks for its output projection (further down).
  *
  * Why another layout: the row-major int4 products (qgemm.c) sum each output horizontally (a
  * group's products in four int32 lanes, converted, scaled, and the lanes reduced once per output)
@@ -35,6 +36,7 @@
 #define Q4B_GROUP 32
 #define Q4B_BLOCK 16
 #define Q4B_BYTES 256  /* of one block's group */
+#define Q8B_BYTES 512  /* of one block's group of int8 weights */
 
 void pdflow_quantize16(const float *x, int64_t rows, int64_t k, int16_t *xq, float *xs, float *xsum);  /* qgemm.c */
 
@@ -59,11 +61,12 @@ void pdflow_quantize16(const float *x, int64_t rows, int64_t k, int16_t *xq, flo
 #endif
 
 enum { PATH_AUTO = 0, PATH_PLAIN = 1, PATH_VNNI = 2, PATH_AMX = 3, PATH_AVX2 = 4 };
-/* Rows from which the AMX path is taken: a tile product's group is a chain of dependent steps
- * (unpack, store, tile loads, two products, tile stores) that costs about 45 ns whatever the rows,
- * so below this VNNI is faster (measured on SmolLM2's products: 1 row 0.5x VNNI's speed, 8 rows
- * 0.9-1.0x, 16 rows 1.3-1.5x; docs/benchmarks.md, "Engine"). */
-#define AMX_ROWS 12
+/* Rows from which the AMX path is taken: a group's tile chain (tile loads, two products, tile
+ * stores, then the float steps) costs about the same whatever the rows, so below this VNNI is
+ * faster (SmolLM2's products, each block's codes unpacked once for all rows: 4 rows 0.8-0.9x
+ * VNNI's speed, 8 rows 1.0-1.2x, 12 rows 1.1-1.3x; its int8 head 1.4x at 8; docs/benchmarks.md,
+ * "Engine"). Prefill's many rows take AMX too (formats.py). */
+#define AMX_ROWS 8
 
 /* The paths this build and CPU can run, as a bit mask of 1 << path. */
 int pdflow_q4b_paths(void);
@@ -267,19 +270,16 @@ static void q4b_configure(int M) {
     _tile_loadconfig(&tile_config);
 }
 
-/* M (1..16) rows against one block */
-static void q4b_amx_tile(const uint8_t *lo, const int8_t *hi, const float *xs, const float *xsum, int M, int64_t k,
-                         const uint8_t *qb, const float *sb, const float *lb, float *y, int64_t n_out) {
+/* M (1..16) rows against one block whose codes are unpacked (codes: groups x 512 bytes, each
+ * group an AMX B tile). The minimum's term is summed after the groups, in the same group order. */
+static void q4b_amx_rows(const uint8_t *lo, const int8_t *hi, const float *xs, const float *xsum, int M, int64_t k,
+                         const uint8_t *codes, const float *sb, const float *lb, float *y, int64_t n_out) {
     const int64_t groups = k / Q4B_GROUP;
-    __m512 acc[16], lows[16];
+    __m512 acc[16];
     int32_t sums[2][16 * 16] __attribute__((aligned(64)));
-    uint8_t codes[512] __attribute__((aligned(64)));
-    for (int t = 0; t < M; t++) acc[t] = lows[t] = _mm512_setzero_ps();
+    for (int t = 0; t < M; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i w[8];
-        q4b_unpack(qb + g * Q4B_BYTES, w);
-        for (int r = 0; r < 8; r++) _mm512_store_si512(codes + 64 * r, w[r]);
-        _tile_loadd(4, codes, 64);
+        _tile_loadd(4, codes + g * 512, 64);
         _tile_loadd(2, lo + g * Q4B_GROUP, k);
         _tile_loadd(3, hi + g * Q4B_GROUP, k);
         _tile_zero(0);
@@ -288,37 +288,55 @@ static void q4b_amx_tile(const uint8_t *lo, const int8_t *hi, const float *xs, c
         _tile_dpbssd(1, 3, 4);  /* hi (signed) x codes */
         _tile_stored(0, sums[0], 64);
         _tile_stored(1, sums[1], 64);
-        const __m512 sw = _mm512_loadu_ps(sb + g * Q4B_BLOCK), lw = _mm512_loadu_ps(lb + g * Q4B_BLOCK);
+        const __m512 sw = _mm512_loadu_ps(sb + g * Q4B_BLOCK);
         for (int t = 0; t < M; t++) {
             const __m512i d = _mm512_add_epi32(_mm512_load_si512(sums[0] + 16 * t),
                                                _mm512_slli_epi32(_mm512_load_si512(sums[1] + 16 * t), 8));
-            q4b_scale(d, xs[t * groups + g], xsum[t * groups + g], sw, lw, &acc[t], &lows[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xs[t * groups + g])), sw, acc[t]);
         }
     }
-    for (int t = 0; t < M; t++) _mm512_storeu_ps(y + t * n_out, _mm512_add_ps(acc[t], lows[t]));
+    for (int t = 0; t < M; t++) {
+        __m512 lows = _mm512_setzero_ps();
+        if (lb)
+            for (int64_t g = 0; g < groups; g++)
+                lows = _mm512_fmadd_ps(_mm512_loadu_ps(lb + g * Q4B_BLOCK), _mm512_set1_ps(xsum[t * groups + g]), lows);
+        _mm512_storeu_ps(y + t * n_out, lb ? _mm512_add_ps(acc[t], lows) : acc[t]);
+    }
 }
 
+/* Any rows against the blocked weights (int4 with low, int8 without): each block's codes are
+ * unpacked once (int4) into a per-thread buffer of B tiles, then taken by every 16 rows. */
 static void q4b_amx(const uint8_t *lo, const int8_t *hi, const float *xs, const float *xsum, int64_t rows, int64_t k,
                     const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
     const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
+    const int64_t bytes = low ? Q4B_BYTES : Q8B_BYTES;
     #pragma omp parallel num_threads(threads)
     {
         int configured = 0;
+        uint8_t *codes = low ? aligned_alloc(64, (size_t)groups * 512) : NULL;
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *qb = q + b * groups * Q4B_BYTES;
-            const float *sb = scale + b * groups * Q4B_BLOCK, *lb = low + b * groups * Q4B_BLOCK;
+            const uint8_t *qb = q + b * groups * bytes;
+            const float *sb = scale + b * groups * Q4B_BLOCK, *lb = low ? low + b * groups * Q4B_BLOCK : NULL;
+            if (low)
+                for (int64_t g = 0; g < groups; g++) {
+                    __m512i w[8];
+                    q4b_prefetch(qb + g * Q4B_BYTES, sb + g * Q4B_BLOCK, lb + g * Q4B_BLOCK);
+                    q4b_unpack(qb + g * Q4B_BYTES, w);
+                    for (int r = 0; r < 8; r++) _mm512_store_si512(codes + g * 512 + 64 * r, w[r]);
+                }
             for (int64_t m = 0; m < rows; m += 16) {
                 const int M = rows - m < 16 ? (int)(rows - m) : 16;
                 if (M != configured) {
                     q4b_configure(M);
                     configured = M;
                 }
-                q4b_amx_tile(lo + m * k, hi + m * k, xs + m * groups, xsum + m * groups, M, k, qb, sb, lb,
-                             y + m * n_out + b * Q4B_BLOCK, n_out);
+                q4b_amx_rows(lo + m * k, hi + m * k, xs + m * groups, xsum ? xsum + m * groups : NULL, M, k,
+                             low ? codes : qb, sb, lb, y + m * n_out + b * Q4B_BLOCK, n_out);
             }
         }
         if (configured) _tile_release();
+        free(codes);
     }
 }
 #endif
@@ -383,8 +401,6 @@ int pdflow_q4b_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, c
  * high bytes' products are taken against w + 128 (w ^ 0x80) and 128 * the group's sum of high
  * bytes taken off: exactly D_hi. No AVX2 path: VPMADDUBSW's pairs of 255 * 127 saturate (a CPU
  * without AVX-512 VNNI keeps the row-major int8 product instead: formats.py). */
-#define Q8B_BYTES 512
-
 static void q8b_plain(const int16_t *xq, const float *xs, int64_t rows, int64_t k, const int8_t *q, const float *scale,
                       int64_t n_out, float *y, int threads) {
     const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
@@ -464,55 +480,6 @@ static void q8b_vnni(const uint8_t *lo, const int8_t *hi, const int32_t *hsum, c
 }
 #endif
 
-#if Q4B_AMX
-/* M (1..16) rows against one block of int8 weights: the weights are the B tile as they lie */
-static void q8b_amx_tile(const uint8_t *lo, const int8_t *hi, const float *xs, int M, int64_t k, const int8_t *qb,
-                         const float *sb, float *y, int64_t n_out) {
-    const int64_t groups = k / Q4B_GROUP;
-    __m512 acc[16];
-    int32_t sums[2][16 * 16] __attribute__((aligned(64)));
-    for (int t = 0; t < M; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        _tile_loadd(4, qb + g * Q8B_BYTES, 64);
-        _tile_loadd(2, lo + g * Q4B_GROUP, k);
-        _tile_loadd(3, hi + g * Q4B_GROUP, k);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_dpbusd(0, 2, 4);  /* lo (unsigned) x w */
-        _tile_dpbssd(1, 3, 4);  /* hi (signed) x w */
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        const __m512 sw = _mm512_loadu_ps(sb + g * Q4B_BLOCK);
-        for (int t = 0; t < M; t++) {
-            const __m512i d = _mm512_add_epi32(_mm512_load_si512(sums[0] + 16 * t),
-                                               _mm512_slli_epi32(_mm512_load_si512(sums[1] + 16 * t), 8));
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xs[t * groups + g])), sw, acc[t]);
-        }
-    }
-    for (int t = 0; t < M; t++) _mm512_storeu_ps(y + t * n_out, acc[t]);
-}
-
-static void q8b_amx(const uint8_t *lo, const int8_t *hi, const float *xs, int64_t rows, int64_t k, const int8_t *q,
-                    const float *scale, int64_t n_out, float *y, int threads) {
-    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
-    #pragma omp parallel num_threads(threads)
-    {
-        int configured = 0;
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t m = 0; m < rows; m += 16) {
-                const int M = rows - m < 16 ? (int)(rows - m) : 16;
-                if (M != configured) {
-                    q4b_configure(M);
-                    configured = M;
-                }
-                q8b_amx_tile(lo + m * k, hi + m * k, xs + m * groups, M, k, q + b * groups * Q8B_BYTES,
-                             scale + b * groups * Q4B_BLOCK, y + m * n_out + b * Q4B_BLOCK, n_out);
-            }
-        if (configured) _tile_release();
-    }
-}
-#endif
 
 /* y (rows, n_out) = x (rows, k) times the blocked int8 weights; as pdflow_q4b_gemm (no AVX2 path) */
 int pdflow_q8b_gemm(const float *x, int64_t rows, int64_t k, const int8_t *q, const float *scale, int64_t n_out,
@@ -542,7 +509,7 @@ int pdflow_q8b_gemm(const float *x, int64_t rows, int64_t k, const int8_t *q, co
                 hsum[m * groups + g] = sum;
             }
 #if Q4B_AMX
-        if (path == PATH_AMX) q8b_amx(lo, hi, xs, rows, k, q, scale, n_out, y, threads);
+        if (path == PATH_AMX) q4b_amx(lo, hi, xs, NULL, rows, k, (const uint8_t *)q, scale, NULL, n_out, y, threads);
 #endif
 #if Q4B_VNNI
         if (path == PATH_VNNI) q8b_vnni(lo, hi, hsum, xs, rows, k, q, scale, n_out, y, threads);

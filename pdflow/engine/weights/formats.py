@@ -18,8 +18,8 @@
 - ``int4-a16-blocked``: ``int4-a16``'s codes, scales and minimums (the same weight), stored in
   blocks of 16 outputs so that 16 outputs are a vector's lanes or an AMX tile's columns
   (``q4blocked.c``): each group's integer dot product is whole, nothing is reduced across lanes,
-  and every path (AMX tiles for 12+ rows where the CPU has them, AVX-512 VNNI, AVX2, plain C)
-  sums in the same order, so results are bit for bit the same on any of them and with any rows beside.
+  and every path (AMX tiles for 8+ rows where the CPU has them, prefill's included; AVX-512 VNNI,
+  AVX2, plain C) sums in the same order, so results are bit for bit the same on any of them and with any rows beside.
   Not bit for bit ``int4-a16``'s (its sums are ordered otherwise). The output projection is
   ``int8-a16``'s weights in the same blocks where the kernels have AVX-512 VNNI (row-major
   elsewhere); a matrix whose outputs are not a multiple of 16 is row-major ``int8-a16``.
@@ -318,8 +318,8 @@ class _Blocked(PackedLinear):
         x = x.float().contiguous()
         rows = x.shape[0]
         lib = self._library() if x.device.type == "cpu" else None
-        if lib is None or rows > kernels.MAX_ROWS or self.in_features > kernels.MAX_INPUTS:
-            return F.linear(x, self.dequantized())
+        if lib is None or self.in_features > kernels.MAX_INPUTS or (rows > kernels.MAX_ROWS and not _amx(lib)):
+            return F.linear(x, self.dequantized())  # (more rows than a decode step's: sgemm, unless AMX)
         y = torch.empty(rows, self.out_features)
         threads = torch.get_num_threads()
         if self.lows is None:
@@ -334,6 +334,11 @@ class _Blocked(PackedLinear):
         return y
 
 
+def _amx(lib) -> bool:
+    """The kernels can run AMX tiles here (then prefill's many rows take them too, not sgemm)."""
+    return bool(lib.pdflow_q4b_paths() & (1 << 3))
+
+
 def _blocked_int8_pays() -> bool:
     """Blocked int8 has AMX and AVX-512 VNNI paths only (an AVX2 one would saturate)."""
     lib = _Blocked._library()
@@ -342,9 +347,10 @@ def _blocked_int8_pays() -> bool:
 
 class Int4A16Blocked(Int4):
     name = "int4-a16-blocked"
-    kernel = ("pdflow q4blocked.c int4 x int16 in blocks of 16 outputs (AMX tiles for 12+ rows where the CPU has "
+    kernel = ("pdflow q4blocked.c int4 x int16 in blocks of 16 outputs (AMX tiles for 8+ rows where the CPU has "
               "them, else AVX-512 VNNI, AVX2 or plain C: every path the same sums), lm_head int8 x int16 in the "
-              "same blocks (row-major without AVX-512 VNNI); prefill (past 64 rows): sgemm on a dequantized copy")
+              "same blocks (row-major without AVX-512 VNNI); prefill (past 64 rows) on AMX tiles too, else "
+              "sgemm on a dequantized copy")
     activation_bits = 16
 
     def pack(self, weight, bias=None, *, output=False):
