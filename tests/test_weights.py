@@ -272,9 +272,9 @@ BLOCKED_PATHS = {1: "plain C", 2: "AVX-512 VNNI", 3: "AMX tiles", 4: "AVX2 (a bu
 @pytest.mark.parametrize("path", sorted(BLOCKED_PATHS))
 def test_blocked_int4_sums_the_same_on_every_path_and_with_any_rows_beside(path):
     """int4-a16-blocked's products (q4blocked.c): every path this CPU can run gives the plain C
-    path's results bit for bit, and a row's result is the same alone as among 2..64 rows (AMX
-    tiles take 16 rows at a time, VNNI 4, AVX2 2): what keeps a speculative verify pass equal to
-    a plain step. (The AVX2 path is in builds without AVX-512: tests/test_kernels.py builds one.)"""
+    path's results bit for bit, and a row's result is the same alone as among 2..64 rows, or 100
+    (a prefill chunk, on AMX tiles where the CPU has them; AMX takes 16 rows at a time, VNNI 4,
+    AVX2 2): what keeps a speculative verify pass equal to a plain step. (The AVX2 path is in builds without AVX-512: tests/test_kernels.py builds one.)"""
     from pdflow.engine import kernels
 
     lib = kernels.library()
@@ -288,8 +288,9 @@ def test_blocked_int4_sums_the_same_on_every_path_and_with_any_rows_beside(path)
         from pdflow.engine.weights.formats import _Blocked, block_int8, quantize_int8
 
         matrices.append(_Blocked(*block_int8(*quantize_int8(weight)), None, 96, 288, None))
+    many = (100,) if lib.pdflow_q4b_paths() & (1 << 3) else ()  # prefill's rows: AMX tiles where there are
     for packed in matrices:
-        for rows in (1, 2, 5, 16, 17, 64):
+        for rows in (1, 2, 5, 16, 17, 64, *many):
             x = torch.randn(rows, 288) * torch.linspace(0.1, 10, 288)
             got = packed.matmul(x, path)
             assert torch.equal(got, packed.matmul(x, 1)), rows

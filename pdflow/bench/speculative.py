@@ -181,6 +181,7 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
         progress.write(f"{name}: prompts ...\n")
         ids = prompts(name, args.prompts, tokenizer, loaded, args.tokens)
         decode(loaded, ids[:1], 8, None, 1)  # warm up
+        answers = None  # the plain answers of the first batch size (the replays' answers)
         for batch in args.batches:
             progress.write(f"{name}: batch {batch}, without and with speculation ...\n")
             plain_out, plain, spec_out, spec = decode_pair(loaded, ids, args.tokens, speculation, batch)
@@ -188,10 +189,11 @@ def run(args: argparse.Namespace, progress=sys.stderr) -> dict:
                 "workload": name, "batch": batch, "plain": plain, "speculative": spec,
                 "identical": sum(a == b for a, b in zip(plain_out, spec_out)), "answers": len(ids),
                 "prompt_tokens": sum(map(len, ids)) / len(ids)}
+            answers = plain_out if answers is None else answers
         if args.row_costs:  # the run's own cost first: its replay sits beside the measured ratio
             costs = [args.row_cost, *(c for c in args.row_costs if c != args.row_cost)]
             report["replays"][name] = {
-                str(cost): replay(ids, plain_out, speculation(cost), args.tokens, loaded.max_context)
+                str(cost): replay(ids, answers, speculation(cost), args.tokens, loaded.max_context)
                 for cost in costs}
     return report
 
@@ -229,8 +231,11 @@ def replay_table(report: dict) -> list[str]:
              "the real proposer and adaptation over the plain answers)", head, "-" * len(head)]
     for name, by_cost in report["replays"].items():
         row = report["rows"].get(f"{name}@1")
-        measured = (f"{(row['speculative']['tokens'] / row['speculative']['seconds']) / (row['plain']['tokens'] / row['plain']['seconds']):7.2f}x"
-                    if row else f"{'-':>8s}")
+        if row:
+            on, off = row["speculative"], row["plain"]
+            measured = f"{(on['tokens'] / on['seconds']) / (off['tokens'] / off['seconds']):7.2f}x"
+        else:
+            measured = f"{'-':>8s}"
         lines.append(f"{name:10s} {measured:>8s} " + " ".join(f"{by_cost[c]['ratio']:7.2f}x" for c in costs))
     lines.append("measured: tokens/s on/off at batch 1 in this run, whose adaptation took the first c; c: a verified "
                  f"row's cost against a one-row step (this machine's, measured: {ROW_COST_NOTE})")

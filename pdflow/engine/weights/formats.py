@@ -314,7 +314,7 @@ class _Blocked(PackedLinear):
                               self.lows.data_ptr(), None if self.bias is None else self.bias.data_ptr())
 
     def matmul(self, x: torch.Tensor, path: int = 0) -> torch.Tensor:
-        """``path`` (tests): 0 the fastest this CPU has; 1 plain C, 2 AVX-512 VNNI, 3 AMX tiles."""
+        """``path`` (tests): 0 the fastest this CPU has; 1 plain C, 2 AVX-512 VNNI, 3 AMX tiles, 4 AVX2."""
         x = x.float().contiguous()
         rows = x.shape[0]
         lib = self._library() if x.device.type == "cpu" else None
