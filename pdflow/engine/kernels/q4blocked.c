@@ -71,33 +71,40 @@ enum { PATH_AUTO = 0, PATH_PLAIN = 1, PATH_VNNI = 2, PATH_AMX = 3, PATH_AVX2 = 4
 /* The paths this build and CPU can run, as a bit mask of 1 << path. */
 int pdflow_q4b_paths(void);
 
-/* ---- plain C: the reference every other path matches bit for bit ---- */
+/* ---- plain C: the reference every other path matches bit for bit (low NULL: int8) ---- */
 static void q4b_plain(const int16_t *xq, const float *xs, const float *xsum, int64_t rows, int64_t k,
                       const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
-    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
+    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK, bytes = low ? Q4B_BYTES : Q8B_BYTES;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t m = 0; m < rows; m++)
             for (int c = 0; c < Q4B_BLOCK; c++) {
                 float acc = 0.0f, lows = 0.0f;
                 for (int64_t g = 0; g < groups; g++) {
-                    const uint8_t *qg = q + (b * groups + g) * Q4B_BYTES;
+                    const uint8_t *qg = q + (b * groups + g) * bytes;
                     const int16_t *xg = xq + m * k + g * Q4B_GROUP;
                     int32_t dot = 0;
                     for (int r = 0; r < 8; r++)
                         for (int i = 0; i < 4; i++) {
                             const int j = r * 64 + c * 4 + i;
-                            const int code = j < Q4B_BYTES ? qg[j] & 15 : qg[j - Q4B_BYTES] >> 4;
+                            const int code = !low ? (int8_t)qg[j] : j < Q4B_BYTES ? qg[j] & 15 : qg[j - Q4B_BYTES] >> 4;
                             dot += code * xg[4 * r + i];
                         }
                     const int64_t at = (b * groups + g) * Q4B_BLOCK + c;
                     const float t = (float)dot * xs[m * groups + g];
                     acc = fmaf(t, scale[at], acc);
-                    lows = fmaf(low[at], xsum[m * groups + g], lows);
+                    if (low) lows = fmaf(low[at], xsum[m * groups + g], lows);
                 }
-                y[m * n_out + b * Q4B_BLOCK + c] = acc + lows;
+                y[m * n_out + b * Q4B_BLOCK + c] = low ? acc + lows : acc;
             }
 }
+
+/* int8 weights in the same blocks ("int4-a16-blocked"'s output projection): per block and
+ * group, 512 bytes hold the weights themselves (signed), in the same order B[r * 64 + c * 4 + i];
+ * scales (blocks, groups, 16); no minimum (low NULL), so y = acc. VNNI multiplies unsigned by
+ * signed bytes, so the high bytes' products are taken against w + 128 (w ^ 0x80) and 128 * the
+ * group's sum of high bytes taken off: exactly D_hi. No AVX2 path: VPMADDUBSW's pairs of
+ * 255 * 127 saturate (a CPU without AVX-512 VNNI keeps the row-major int8 product: formats.py). */
 
 #if Q4B_VNNI
 /* one block's group: the 8 B rows (codes as bytes) from its 256 packed bytes */
@@ -126,18 +133,32 @@ static inline void q4b_scale(__m512i d, float xs, float xsum, __m512 sw, __m512 
     *lows = _mm512_fmadd_ps(lw, _mm512_set1_ps(xsum), *lows);
 }
 
-/* R (1..4) rows against one block: each group's codes unpacked once for the R rows */
-static inline void q4b_vnni_tile(const uint8_t *lo, const int8_t *hi, const float *xs, const float *xsum, const int R,
-                                 int64_t k, const uint8_t *qb, const float *sb, const float *lb, float *y,
-                                 int64_t n_out) {
+/* R (1..4) rows against one block: each group's codes (int4: unpacked; int8: as they lie) loaded
+ * once for the R rows. eight: int8 weights (no minimum; hsum the rows' high-byte sums per group). */
+static inline void q4b_vnni_tile(const uint8_t *lo, const int8_t *hi, const int32_t *hsum, const float *xs,
+                                 const float *xsum, const int R, const int eight, int64_t k, const uint8_t *qb,
+                                 const float *sb, const float *lb, float *y, int64_t n_out) {
     const int64_t groups = k / Q4B_GROUP;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[4], lows[4];
     for (int t = 0; t < R; t++) acc[t] = lows[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i w[8];
-        q4b_prefetch(qb + g * Q4B_BYTES, sb + g * Q4B_BLOCK, lb + g * Q4B_BLOCK);
-        q4b_unpack(qb + g * Q4B_BYTES, w);
-        const __m512 sw = _mm512_loadu_ps(sb + g * Q4B_BLOCK), lw = _mm512_loadu_ps(lb + g * Q4B_BLOCK);
+        __m512i w[8], u[8];  /* w: the codes (signed as VPDPBUSD's second operand); u: as its unsigned first */
+        if (eight) {
+            const uint8_t *qg = qb + g * Q8B_BYTES;
+            for (int r = 0; r < 8; r++) {
+                _mm_prefetch((const char *)qg + Q4B_PREFETCH_BYTES + 64 * r, _MM_HINT_T0);
+                w[r] = _mm512_loadu_si512(qg + 64 * r);
+                u[r] = _mm512_xor_si512(w[r], flip);  /* w + 128 */
+            }
+            _mm_prefetch((const char *)(sb + g * Q4B_BLOCK) + Q4B_PREFETCH_BYTES / 4, _MM_HINT_T0);
+        } else {
+            q4b_prefetch(qb + g * Q4B_BYTES, sb + g * Q4B_BLOCK, lb + g * Q4B_BLOCK);
+            q4b_unpack(qb + g * Q4B_BYTES, w);
+            for (int r = 0; r < 8; r++) u[r] = w[r];  /* codes 0..15: the same bytes either way */
+        }
+        const __m512 sw = _mm512_loadu_ps(sb + g * Q4B_BLOCK);
+        const __m512 lw = eight ? _mm512_setzero_ps() : _mm512_loadu_ps(lb + g * Q4B_BLOCK);
         for (int t = 0; t < R; t++) {
             const uint8_t *xl = lo + t * k + g * Q4B_GROUP;
             const int8_t *xh = hi + t * k + g * Q4B_GROUP;
@@ -147,34 +168,43 @@ static inline void q4b_vnni_tile(const uint8_t *lo, const int8_t *hi, const floa
                 memcpy(&l4, xl + 4 * r, 4);
                 memcpy(&h4, xh + 4 * r, 4);
                 dl = _mm512_dpbusd_epi32(dl, _mm512_set1_epi32(l4), w[r]);  /* lo (unsigned) x codes */
-                dh = _mm512_dpbusd_epi32(dh, w[r], _mm512_set1_epi32(h4));  /* codes (unsigned) x hi (signed) */
+                dh = _mm512_dpbusd_epi32(dh, u[r], _mm512_set1_epi32(h4));  /* codes (unsigned) x hi (signed) */
             }
-            q4b_scale(_mm512_add_epi32(dl, _mm512_slli_epi32(dh, 8)), xs[t * groups + g], xsum[t * groups + g], sw, lw,
-                      &acc[t], &lows[t]);
+            if (eight) dh = _mm512_sub_epi32(dh, _mm512_set1_epi32(128 * hsum[t * groups + g]));
+            q4b_scale(_mm512_add_epi32(dl, _mm512_slli_epi32(dh, 8)), xs[t * groups + g],
+                      eight ? 0.0f : xsum[t * groups + g], sw, lw, &acc[t], &lows[t]);
         }
     }
-    for (int t = 0; t < R; t++) _mm512_storeu_ps(y + t * n_out, _mm512_add_ps(acc[t], lows[t]));
+    for (int t = 0; t < R; t++) _mm512_storeu_ps(y + t * n_out, eight ? acc[t] : _mm512_add_ps(acc[t], lows[t]));
 }
 
-static void q4b_vnni(const uint8_t *lo, const int8_t *hi, const float *xs, const float *xsum, int64_t rows, int64_t k,
-                     const uint8_t *q, const float *scale, const float *low, int64_t n_out, float *y, int threads) {
-    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
+static void q4b_vnni(const uint8_t *lo, const int8_t *hi, const int32_t *hsum, const float *xs, const float *xsum,
+                     int64_t rows, int64_t k, const uint8_t *q, const float *scale, const float *low, int64_t n_out,
+                     float *y, int threads) {
+    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK, bytes = low ? Q4B_BYTES : Q8B_BYTES;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *qb = q + b * groups * Q4B_BYTES;
-        const float *sb = scale + b * groups * Q4B_BLOCK, *lb = low + b * groups * Q4B_BLOCK;
+        const uint8_t *qb = q + b * groups * bytes;
+        const float *sb = scale + b * groups * Q4B_BLOCK, *lb = low ? low + b * groups * Q4B_BLOCK : NULL;
         for (int64_t m = 0; m < rows; m += 4) {
             const int R = rows - m < 4 ? (int)(rows - m) : 4;
             const uint8_t *l = lo + m * k;
             const int8_t *h = hi + m * k;
-            const float *s = xs + m * groups, *u = xsum + m * groups;
+            const int32_t *hs = low ? NULL : hsum + m * groups;
+            const float *s = xs + m * groups, *u = low ? xsum + m * groups : NULL;
             float *out = y + m * n_out + b * Q4B_BLOCK;
-            switch (R) {  /* a constant R each: the tile's loops unrolled */
-                case 1: q4b_vnni_tile(l, h, s, u, 1, k, qb, sb, lb, out, n_out); break;
-                case 2: q4b_vnni_tile(l, h, s, u, 2, k, qb, sb, lb, out, n_out); break;
-                case 3: q4b_vnni_tile(l, h, s, u, 3, k, qb, sb, lb, out, n_out); break;
-                default: q4b_vnni_tile(l, h, s, u, 4, k, qb, sb, lb, out, n_out); break;
+#define Q4B_TILE(R_, EIGHT_) q4b_vnni_tile(l, h, hs, s, u, R_, EIGHT_, k, qb, sb, lb, out, n_out)
+            switch (R + 4 * !low) {  /* a constant R and kind each: the tile's loops unrolled */
+                case 1: Q4B_TILE(1, 0); break;
+                case 2: Q4B_TILE(2, 0); break;
+                case 3: Q4B_TILE(3, 0); break;
+                case 4: Q4B_TILE(4, 0); break;
+                case 5: Q4B_TILE(1, 1); break;
+                case 6: Q4B_TILE(2, 1); break;
+                case 7: Q4B_TILE(3, 1); break;
+                default: Q4B_TILE(4, 1); break;
             }
+#undef Q4B_TILE
         }
     }
 }
@@ -355,12 +385,12 @@ int pdflow_q4b_paths(void) {
     return paths;
 }
 
-/* y (rows, n_out) = x (rows, k) times the blocked int4 weights; path: PATH_AUTO (the fastest
- * this CPU has for the rows) or one of the others (tests compare them). n_out a multiple of 16,
- * k of 32. Returns 0, or -1 if the path asked for cannot run here. */
-int pdflow_q4b_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, const float *scale, const float *low,
-                    int64_t n_out, float *y, int threads, int path) {
-    const int paths = pdflow_q4b_paths();
+/* y (rows, n_out) = x (rows, k) times blocked weights, int4 (low given) or int8 (low NULL); path:
+ * PATH_AUTO (the fastest this CPU has for the rows) or one of the others (tests compare them).
+ * n_out a multiple of 16, k of 32. Returns 0, or -1 if the path asked for cannot run here. */
+static int blocked_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, const float *scale, const float *low,
+                        int64_t n_out, float *y, int threads, int path) {
+    const int paths = pdflow_q4b_paths() & (low ? ~0 : ~(1 << PATH_AVX2));
     if (path == PATH_AUTO)
         path = (paths & (1 << PATH_AMX)) && rows >= AMX_ROWS ? PATH_AMX
                : (paths & (1 << PATH_VNNI)) ? PATH_VNNI : (paths & (1 << PATH_AVX2)) ? PATH_AVX2 : PATH_PLAIN;
@@ -374,145 +404,25 @@ int pdflow_q4b_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, c
     } else {
         uint8_t *lo = aligned_alloc(64, (size_t)(2 * rows * k + 63) / 64 * 64);
         int8_t *hi = (int8_t *)lo + rows * k;
-        for (int64_t i = 0; i < rows * k; i++) {
-            lo[i] = (uint8_t)(xq[i] & 0xFF);
-            hi[i] = (int8_t)(xq[i] >> 8);  /* arithmetic: xq = 256 * hi + lo */
-        }
-#if Q4B_AMX
-        if (path == PATH_AMX) q4b_amx(lo, hi, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
-#endif
-#if Q4B_VNNI
-        if (path == PATH_VNNI) q4b_vnni(lo, hi, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
-#endif
-#if Q4B_AVX2
-        if (path == PATH_AVX2) q4b_avx2(lo, hi, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
-#endif
-        free(lo);
-    }
-    free(xq);
-    free(xs);
-    return 0;
-}
-
-/* ---- int8 weights in the same blocks ("int4-a16-blocked"'s output projection) ----
- * Per block and group, 512 bytes hold the weights themselves (signed), in the same order
- * B[r * 64 + c * 4 + i]; scales (blocks, groups, 16). The same arithmetic without the minimum:
- * acc = fma(float(D) * xs, scale, acc), y = acc. VNNI multiplies unsigned by signed bytes, so the
- * high bytes' products are taken against w + 128 (w ^ 0x80) and 128 * the group's sum of high
- * bytes taken off: exactly D_hi. No AVX2 path: VPMADDUBSW's pairs of 255 * 127 saturate (a CPU
- * without AVX-512 VNNI keeps the row-major int8 product instead: formats.py). */
-static void q8b_plain(const int16_t *xq, const float *xs, int64_t rows, int64_t k, const int8_t *q, const float *scale,
-                      int64_t n_out, float *y, int threads) {
-    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t m = 0; m < rows; m++)
-            for (int c = 0; c < Q4B_BLOCK; c++) {
-                float acc = 0.0f;
-                for (int64_t g = 0; g < groups; g++) {
-                    const int8_t *qg = q + (b * groups + g) * Q8B_BYTES;
-                    const int16_t *xg = xq + m * k + g * Q4B_GROUP;
-                    int32_t dot = 0;
-                    for (int r = 0; r < 8; r++)
-                        for (int i = 0; i < 4; i++) dot += qg[r * 64 + c * 4 + i] * xg[4 * r + i];
-                    acc = fmaf((float)dot * xs[m * groups + g], scale[(b * groups + g) * Q4B_BLOCK + c], acc);
-                }
-                y[m * n_out + b * Q4B_BLOCK + c] = acc;
-            }
-}
-
-#if Q4B_VNNI
-static inline void q8b_vnni_tile(const uint8_t *lo, const int8_t *hi, const int32_t *hsum, const float *xs, const int R,
-                                 int64_t k, const int8_t *qb, const float *sb, float *y, int64_t n_out) {
-    const int64_t groups = k / Q4B_GROUP;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[4];
-    for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const int8_t *qg = qb + g * Q8B_BYTES;
-        __m512i w[8], u[8];
-        for (int r = 0; r < 8; r++) {
-            _mm_prefetch((const char *)qg + Q4B_PREFETCH_BYTES + 64 * r, _MM_HINT_T0);
-            w[r] = _mm512_loadu_si512(qg + 64 * r);
-            u[r] = _mm512_xor_si512(w[r], flip);  /* w + 128, unsigned */
-        }
-        _mm_prefetch((const char *)(sb + g * Q4B_BLOCK) + Q4B_PREFETCH_BYTES / 4, _MM_HINT_T0);
-        const __m512 sw = _mm512_loadu_ps(sb + g * Q4B_BLOCK);
-        for (int t = 0; t < R; t++) {
-            const uint8_t *xl = lo + t * k + g * Q4B_GROUP;
-            const int8_t *xh = hi + t * k + g * Q4B_GROUP;
-            __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
-            for (int r = 0; r < 8; r++) {
-                int32_t l4, h4;
-                memcpy(&l4, xl + 4 * r, 4);
-                memcpy(&h4, xh + 4 * r, 4);
-                dl = _mm512_dpbusd_epi32(dl, _mm512_set1_epi32(l4), w[r]);  /* lo (unsigned) x w */
-                dh = _mm512_dpbusd_epi32(dh, u[r], _mm512_set1_epi32(h4));  /* (w + 128) x hi */
-            }
-            dh = _mm512_sub_epi32(dh, _mm512_set1_epi32(128 * hsum[t * groups + g]));
-            const __m512i d = _mm512_add_epi32(dl, _mm512_slli_epi32(dh, 8));
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xs[t * groups + g])), sw, acc[t]);
-        }
-    }
-    for (int t = 0; t < R; t++) _mm512_storeu_ps(y + t * n_out, acc[t]);
-}
-
-static void q8b_vnni(const uint8_t *lo, const int8_t *hi, const int32_t *hsum, const float *xs, int64_t rows, int64_t k,
-                     const int8_t *q, const float *scale, int64_t n_out, float *y, int threads) {
-    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t m = 0; m < rows; m += 4) {
-            const int R = rows - m < 4 ? (int)(rows - m) : 4;
-            const int8_t *qb = q + b * groups * Q8B_BYTES;
-            const float *sb = scale + b * groups * Q4B_BLOCK;
-            const uint8_t *l = lo + m * k;
-            const int8_t *h = hi + m * k;
-            const int32_t *hs = hsum + m * groups;
-            float *out = y + m * n_out + b * Q4B_BLOCK;
-            switch (R) {
-                case 1: q8b_vnni_tile(l, h, hs, xs + m * groups, 1, k, qb, sb, out, n_out); break;
-                case 2: q8b_vnni_tile(l, h, hs, xs + m * groups, 2, k, qb, sb, out, n_out); break;
-                case 3: q8b_vnni_tile(l, h, hs, xs + m * groups, 3, k, qb, sb, out, n_out); break;
-                default: q8b_vnni_tile(l, h, hs, xs + m * groups, 4, k, qb, sb, out, n_out); break;
-            }
-        }
-}
-#endif
-
-
-/* y (rows, n_out) = x (rows, k) times the blocked int8 weights; as pdflow_q4b_gemm (no AVX2 path) */
-int pdflow_q8b_gemm(const float *x, int64_t rows, int64_t k, const int8_t *q, const float *scale, int64_t n_out,
-                    float *y, int threads, int path) {
-    const int paths = pdflow_q4b_paths() & ~(1 << PATH_AVX2);
-    if (path == PATH_AUTO)
-        path = (paths & (1 << PATH_AMX)) && rows >= AMX_ROWS ? PATH_AMX : (paths & (1 << PATH_VNNI)) ? PATH_VNNI : PATH_PLAIN;
-    if (!(paths & (1 << path))) return -1;
-    const int64_t groups = k / Q4B_GROUP;
-    int16_t *xq = aligned_alloc(64, (size_t)(rows * k * 2 + 63) / 64 * 64);
-    float *xs = malloc(sizeof(float) * 2 * rows * groups), *xsum = xs + rows * groups;
-    pdflow_quantize16(x, rows, k, xq, xs, xsum);
-    if (path == PATH_PLAIN) {
-        q8b_plain(xq, xs, rows, k, q, scale, n_out, y, threads);
-    } else {
-        uint8_t *lo = aligned_alloc(64, (size_t)(2 * rows * k + 63) / 64 * 64);
-        int8_t *hi = (int8_t *)lo + rows * k;
-        int32_t *hsum = malloc(sizeof(int32_t) * rows * groups);
+        int32_t *hsum = low ? NULL : malloc(sizeof(int32_t) * rows * groups);  /* int8's VNNI term, per row and group */
         for (int64_t m = 0; m < rows; m++)
             for (int64_t g = 0; g < groups; g++) {
                 int32_t sum = 0;
                 for (int64_t i = m * k + g * Q4B_GROUP; i < m * k + (g + 1) * Q4B_GROUP; i++) {
                     lo[i] = (uint8_t)(xq[i] & 0xFF);
-                    hi[i] = (int8_t)(xq[i] >> 8);
+                    hi[i] = (int8_t)(xq[i] >> 8);  /* arithmetic: xq = 256 * hi + lo */
                     sum += hi[i];
                 }
-                hsum[m * groups + g] = sum;
+                if (hsum) hsum[m * groups + g] = sum;
             }
 #if Q4B_AMX
-        if (path == PATH_AMX) q4b_amx(lo, hi, xs, NULL, rows, k, (const uint8_t *)q, scale, NULL, n_out, y, threads);
+        if (path == PATH_AMX) q4b_amx(lo, hi, xs, low ? xsum : NULL, rows, k, q, scale, low, n_out, y, threads);
 #endif
 #if Q4B_VNNI
-        if (path == PATH_VNNI) q8b_vnni(lo, hi, hsum, xs, rows, k, q, scale, n_out, y, threads);
+        if (path == PATH_VNNI) q4b_vnni(lo, hi, hsum, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
+#endif
+#if Q4B_AVX2
+        if (path == PATH_AVX2) q4b_avx2(lo, hi, xs, xsum, rows, k, q, scale, low, n_out, y, threads);
 #endif
         free(hsum);
         free(lo);
@@ -522,8 +432,18 @@ int pdflow_q8b_gemm(const float *x, int64_t rows, int64_t k, const int8_t *q, co
     return 0;
 }
 
-/* w (n_out, k) in fp32: code * scale + low, for products of more rows than a decode step's;
- * each output's 32 inputs of a group written in order */
+int pdflow_q4b_gemm(const float *x, int64_t rows, int64_t k, const uint8_t *q, const float *scale, const float *low,
+                    int64_t n_out, float *y, int threads, int path) {
+    return blocked_gemm(x, rows, k, q, scale, low, n_out, y, threads, path);
+}
+
+int pdflow_q8b_gemm(const float *x, int64_t rows, int64_t k, const int8_t *q, const float *scale, int64_t n_out,
+                    float *y, int threads, int path) {
+    return blocked_gemm(x, rows, k, (const uint8_t *)q, scale, NULL, n_out, y, threads, path);
+}
+
+/* w (n_out, k) in fp32: code * scale + low (int8: w * scale), for products of more rows than a
+ * decode step's where there is no AMX; each output's 32 inputs of a group written in order */
 void pdflow_q4b_dequantize(const uint8_t *q, const float *scale, const float *low, int64_t n_out, int64_t k, float *w,
                            int threads) {
     const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
@@ -531,10 +451,17 @@ void pdflow_q4b_dequantize(const uint8_t *q, const float *scale, const float *lo
     for (int64_t b = 0; b < blocks; b++)
         for (int c = 0; c < Q4B_BLOCK; c++)
             for (int64_t g = 0; g < groups; g++) {
-                const uint8_t *qg = q + (b * groups + g) * Q4B_BYTES;
                 const int64_t at = (b * groups + g) * Q4B_BLOCK + c;
-                const float s = scale[at], l = low[at];
+                const float s = scale[at];
                 float *out = w + (b * Q4B_BLOCK + c) * k + g * Q4B_GROUP;
+                if (!low) {
+                    const int8_t *qg = (const int8_t *)q + (b * groups + g) * Q8B_BYTES;
+                    for (int r = 0; r < 8; r++)
+                        for (int i = 0; i < 4; i++) out[4 * r + i] = (float)qg[r * 64 + c * 4 + i] * s;
+                    continue;
+                }
+                const uint8_t *qg = q + (b * groups + g) * Q4B_BYTES;
+                const float l = low[at];
                 for (int r = 0; r < 4; r++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = qg[r * 64 + c * 4 + i];
@@ -545,15 +472,5 @@ void pdflow_q4b_dequantize(const uint8_t *q, const float *scale, const float *lo
 }
 
 void pdflow_q8b_dequantize(const int8_t *q, const float *scale, int64_t n_out, int64_t k, float *w, int threads) {
-    const int64_t groups = k / Q4B_GROUP, blocks = n_out / Q4B_BLOCK;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int c = 0; c < Q4B_BLOCK; c++)
-            for (int64_t g = 0; g < groups; g++) {
-                const int8_t *qg = q + (b * groups + g) * Q8B_BYTES;
-                const float s = scale[(b * groups + g) * Q4B_BLOCK + c];
-                float *out = w + (b * Q4B_BLOCK + c) * k + g * Q4B_GROUP;
-                for (int r = 0; r < 8; r++)
-                    for (int i = 0; i < 4; i++) out[4 * r + i] = (float)qg[r * 64 + c * 4 + i] * s;
-            }
+    pdflow_q4b_dequantize((const uint8_t *)q, scale, NULL, n_out, k, w, threads);
 }

@@ -238,25 +238,28 @@ def pack_blocked(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
     layout: per block of 16 outputs and group of 32 inputs, 512 codes ordered ``r * 64 + c * 4 +
     i`` (output 16b + c, input 32g + 4r + i), the first 256 in the low nibbles of 256 bytes and
     the rest in the high; scales and minimums as (blocks, groups, 16)."""
-    out_features, in_features = q.shape
-    blocks, groups = out_features // BLOCK, in_features // group
-    codes = (q.to(torch.uint8).reshape(blocks, BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4)
-             .reshape(blocks, groups, 2 * 256))
+    codes = _in_tile_order(q.to(torch.uint8), group)
     packed = (codes[..., :256] | (codes[..., 256:] << 4)).contiguous()
-
-    def by_block(t: torch.Tensor) -> torch.Tensor:
-        return t.float().reshape(blocks, BLOCK, groups).permute(0, 2, 1).contiguous()
-
-    return packed, by_block(scales), by_block(lows)
+    return packed, _by_block(scales), _by_block(lows)
 
 
 def block_int8(q: torch.Tensor, scales: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in) int8 weights and their (out, groups) scales -> the blocked int8 layout: per block
     of 16 outputs and group, the 512 weights in :func:`pack_blocked`'s order, unpacked."""
+    return _in_tile_order(q, group).contiguous(), _by_block(scales)
+
+
+def _in_tile_order(q: torch.Tensor, group: int) -> torch.Tensor:
+    """(out, in) -> (blocks, groups, 512): each block's group as an AMX B tile, ``r * 64 + c * 4 + i``."""
     out_features, in_features = q.shape
     blocks, groups = out_features // BLOCK, in_features // group
-    ordered = q.reshape(blocks, BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512)
-    return ordered.contiguous(), scales.float().reshape(blocks, BLOCK, groups).permute(0, 2, 1).contiguous()
+    return q.reshape(blocks, BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 8 * BLOCK * 4)
+
+
+def _by_block(t: torch.Tensor) -> torch.Tensor:
+    """Per-output, per-group values (out, groups) -> (blocks, groups, 16)."""
+    out_features, groups = t.shape
+    return t.float().reshape(out_features // BLOCK, BLOCK, groups).permute(0, 2, 1).contiguous()
 
 
 def unpack_blocked(packed: torch.Tensor, out_features: int, in_features: int, group: int = GROUP) -> torch.Tensor:
