@@ -14,14 +14,15 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 11  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+PROTOCOL_VERSION = 12  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
 # 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked);
 # 5: tokens straight to ingress, decode's KV destinations in pool slots; 6: KV computed and attended in the
 # store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore); 7: the disk tier (KvExpected.keep_s, PlanWanted,
 # KvForget, heartbeat notes); 8: KV codecs (KvChunkHeader.codec, codec_block: an older receiver would take encoded
 # bytes for KV); 9: KvDestination slots of -1 (blocks a structural codec drops), DecodeRequest.prompt_ids
 # (speculative decoding); 10: several hosts (ReplicaExited, from a host's launcher), KvHoldings; 11: a prefix
-# fetched from another store (Route.fetch_from, KvFetch, KvFetched)
+# fetched from another store (Route.fetch_from, KvFetch, KvFetched); 12: the sampling API (SamplingParams' penalties,
+# bias, min_p, min_tokens, logprobs and guide; Tokens/TextDelta logprobs; KvExpected.reuse_prefix)
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -43,6 +44,31 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # besides the model's own end-of-sequence ids
     ignore_eos: bool = False
+    # the logits processors (pdflow.engine.logits), as vLLM and OpenAI define them; prefill applies them
+    # to the first token and decode to the rest, decode counting the first as already generated
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # over the prompt's and the output's tokens (1: off)
+    min_p: float = 0.0
+    min_tokens: int = 0  # no end-of-sequence or stop token before this many output tokens
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None  # each output token's log-probability and this many alternatives (None: none)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (prefill, from its second token)
+    guide: str = ""  # a grammar the output follows (pdflow.engine.guided.GuideSpec's text; "": none)
+
+    @property
+    def reads_prompt(self) -> bool:
+        """Does sampling need the prompt's tokens (a repetition penalty counts them)?"""
+        return self.repetition_penalty != 1.0
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One token's log-probability under the model (before penalties, bias and temperature, as
+    vLLM's default ``raw_logprobs``), with the ``top_ids`` most likely tokens' ``top_logprobs``."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class Route(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -78,6 +104,7 @@ class KvExpected(Message):
     prompt_ids: list[int]
     route: Route
     keep_s: float | None = None  # keep the request's KV at most this long (0: not at all; None: the store's default)
+    reuse_prefix: bool = True  # False: compute the whole prompt (its prompt logprobs are wanted), reuse nothing
 
 
 class PlanWanted(Message):
@@ -241,6 +268,8 @@ class Tokens(Message):
     cached_tokens: int = 0  # on the first: prompt tokens whose KV came from the store
     draft_proposed: int = 0  # speculative decoding: draft tokens verified for the request so far ...
     draft_accepted: int = 0  # ... and kept
+    logprobs: list[TokenLogprob] = []  # one per token of ``token_ids`` (when the request asks for them)
+    prompt_logprobs: list[TokenLogprob] = []  # on the first: the prompt's tokens from the second on
 
 
 class TextDelta(Message):
@@ -257,6 +286,8 @@ class TextDelta(Message):
     token_ids: list[int] = []
     draft_proposed: int = 0  # as in Tokens
     draft_accepted: int = 0
+    logprobs: list[TokenLogprob] = []  # one per token of ``token_ids`` (when asked for)
+    prompt_logprobs: list[TokenLogprob] = []  # as in Tokens
 
 
 class RequestFailed(Message):

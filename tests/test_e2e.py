@@ -185,7 +185,7 @@ LONG_PROMPT = "hello " * 9000
         ("/v1/chat/completions", b"{not json", None, "invalid JSON"),
         ("/v1/chat/completions", {"model": "smollm2"}, "messages", "messages"),
         ("/v1/chat/completions", {"messages": []}, "messages", "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "messages.0.content", "content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content", "null"),
         ("/v1/chat/completions", {"model": "gpt-9", "messages": FRANCE}, "model", "gpt-9"),
         ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 0}, "max_tokens", "max_tokens"),
         ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 100000}, "max_tokens", "context"),
@@ -194,7 +194,11 @@ LONG_PROMPT = "hello " * 9000
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages", "context"),
         ("/v1/completions", {"prompt": LONG_PROMPT}, "prompt", "context"),
         ("/v1/completions", {"model": "smollm2"}, "prompt", "prompt"),
-        ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 9}, "n", "n"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias", "token ids"),
+        ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema",
+         "uniqueItems"),
     ],
 )
 def test_bad_input_gets_400_naming_the_field(server, path, body, param, fragment):

@@ -11,7 +11,7 @@ from pdflow.messages import (
     KvChunkHeader, KvDestination, KvExpected, KvFetch, KvFetched, KvForget, KvForgotten, KvHoldings, KvPlan, KvInPlace, PlanWanted, KvInStore, KvReleased, KvReturnSlots, PrefillDone, PrefillRequest,
     PrefixDestination,
     ProtocolMismatch, ProtocolRefused, Ready, ReplicaExited, RequestFailed, Route, SamplingParams, StageDown, StageFailed,
-    StageStatus, StageUp, StopRequest, TextDelta, Tokens, check_hello, decoder, encoder,
+    StageStatus, StageUp, StopRequest, TextDelta, TokenLogprob, Tokens, check_hello, decoder, encoder,
 )
 
 ROUTE = Route({"ingress": 0, "prefill": 1, "kv_shuttle": 2, "decode": 3, "egress": 1})
@@ -203,21 +203,25 @@ def _names(cls: type) -> list[str]:
 
 def test_field_order_is_pinned() -> None:
     assert _names(PrefillRequest) == ["request_id", "prompt_ids", "sampling", "route", "keep_s"]
-    assert _names(KvExpected) == ["request_id", "prompt_ids", "route", "keep_s"]
+    assert _names(KvExpected) == ["request_id", "prompt_ids", "route", "keep_s", "reuse_prefix"]
     assert _names(Heartbeat)[-2:] == ["stats", "notes"]
     assert _names(Tokens) == ["request_id", "index", "token_ids", "finish_reason", "timeline", "cached_tokens",
-                              "draft_proposed", "draft_accepted"]
+                              "draft_proposed", "draft_accepted", "logprobs", "prompt_logprobs"]
     assert _names(KvChunkHeader) == [
         "request_id", "layer", "kind", "token_start", "token_end", "dtype", "shape",
         "region", "offset", "nbytes", "checksum", "codec", "codec_block",
     ]
     assert _names(SamplingParams) == [
         "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+        "logprobs", "prompt_logprobs", "guide",
     ]
+    assert _names(TokenLogprob) == ["logprob", "top_ids", "top_logprobs"]
     assert _names(Route) == ["replicas", "fetch_from"]
     assert _names(Hello) == ["protocol_version", "stage", "replica", "pid"]
     assert _names(TextDelta) == ["request_id", "text", "completion_tokens", "finish_reason", "timeline",
-                                 "cached_tokens", "token_ids", "draft_proposed", "draft_accepted"]
+                                 "cached_tokens", "token_ids", "draft_proposed", "draft_accepted", "logprobs",
+                                 "prompt_logprobs"]
     assert _names(EgressRequest)[-2:] == ["resume_ids", "resume_chars"]
     assert _names(DecodeRequest) == ["request_id", "prompt_len", "sampling", "route", "prompt_ids"]
     assert _names(ReplicaExited) == ["stage", "replica", "reason", "restarting"]

@@ -128,7 +128,7 @@ def test_a_pipeline_counts_what_it_served_and_top_shows_it(request):
                                             max_tokens=6, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     tokens += [chunk for chunk in stream][-1].usage.completion_tokens
-    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "n": 2}, timeout=30).status_code == 400
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "n": 9}, timeout=30).status_code == 400
 
     def grew(name: str, **labels) -> float:
         return now.value(name, **labels) - before.value(name, **labels)

@@ -66,6 +66,11 @@ class ModelConfig:
     is_path: bool = False
     path: Path | None = None  # absolute, when is_path
     weights: str = DEFAULT_WEIGHTS
+    max_model_len: int | None = None  # tokens of context served, at most the model's own (None: the model's)
+
+    def context(self, model_context: int) -> int:
+        """The context served of a model whose own is ``model_context`` tokens."""
+        return min(model_context, self.max_model_len or model_context)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ import torch
 
 from pdflow.engine.forward import causal_mask
 from pdflow.engine.loader import LoadedModel
+from pdflow.engine.logprobs import prompt_logprobs
 from pdflow.engine.sampler import Sampler
 from pdflow.kv.layout import torch_dtype
 
@@ -38,6 +39,7 @@ class ChunkedPrefill:
         kv_heads, head_dim)`` (from the store); prefill starts after them."""
         self.loaded, self.prompt_ids, self.sampler = loaded, prompt_ids, sampler
         self.position = 0
+        self.prompt_logprobs = []  # the prompt's tokens' (sampler.params.prompt_logprobs), scored chunk by chunk
         self.cache = AccumulatingCache(loaded.num_layers)
         if past is not None:
             keys, values = past
@@ -58,9 +60,15 @@ class ChunkedPrefill:
         input_ids = torch.tensor([self.prompt_ids[start:end]], device=device)
         positions = torch.arange(start, end, device=device).unsqueeze(0)
         mask = causal_mask(start, end, device, torch_dtype(self.loaded.layout.dtype))
-        logits = self.loaded.model(input_ids, positions, mask, self.cache)
+        top = self.sampler.params.prompt_logprobs
+        if top is None:
+            logits = self.loaded.model(input_ids, positions, mask, self.cache)[0]
+        else:  # each position scores the prompt's next token (the last one: the chunk after, or none)
+            every = self.loaded.model(input_ids, positions, mask, self.cache, every_position=True)[0]
+            self.prompt_logprobs += prompt_logprobs(every, self.prompt_ids[start : end + 1], top)
+            logits = every[-1]
         self.position = end
-        return self.sampler.sample(logits[0]) if end == len(self.prompt_ids) else None
+        return self.sampler.sample(logits) if end == len(self.prompt_ids) else None
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The finished prompt's keys and values of ``layer``, each ``(kv_heads, tokens, head_dim)``."""

@@ -16,8 +16,10 @@ import torch
 from pdflow.engine.forward import causal_mask
 from pdflow.engine.llama import Target
 from pdflow.engine.loader import LoadedModel
+from pdflow.engine.logprobs import prompt_logprobs
 from pdflow.engine.sampler import Sampler
 from pdflow.kv.layout import torch_dtype
+from pdflow.messages import TokenLogprob
 
 # (layer, keys, values), both token-major (tokens, kv_heads, head_dim) and contiguous -> None
 LayerSink = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -72,6 +74,8 @@ class PrefillResult:
     layer_done: list[float] = field(default_factory=list)  # time.monotonic() per layer
     started: float = 0.0
     finished: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the first token's, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the prompt's, from its second token
 
 
 def prefill(loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler, sink: LayerSink,
@@ -87,6 +91,14 @@ def prefill(loaded: LoadedModel, prompt_ids: list[int], sampler: Sampler, sink: 
     position_ids = torch.arange(start, len(prompt_ids), device=device).unsqueeze(0)
     mask = causal_mask(start, len(prompt_ids), device, torch_dtype(loaded.layout.dtype))
     cache = LayerStreamingCache(sink, past if start else None, targets, attended)
-    logits = loaded.model(input_ids, position_ids, mask, cache)
-    token = sampler.sample(logits[0])
-    return PrefillResult(token, cache.layer_done, started, time.monotonic())
+    top = sampler.params.prompt_logprobs
+    if top is not None and start:
+        raise ValueError("prompt logprobs need the whole prompt computed (no cached prefix)")
+    scored: list[TokenLogprob] = []
+    if top is None:
+        logits = loaded.model(input_ids, position_ids, mask, cache)[0]
+    else:
+        every = loaded.model(input_ids, position_ids, mask, cache, every_position=True)[0]
+        scored, logits = prompt_logprobs(every, prompt_ids, top), every[-1]
+    token = sampler.sample(logits)
+    return PrefillResult(token, cache.layer_done, started, time.monotonic(), sampler.take_logprobs(), scored)

@@ -15,29 +15,45 @@ It takes the API key like every other endpoint (``security.api_key_*``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import msgspec
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdflow.serving.openai_protocol import ApiError, parse_chat_request, parse_completion_request
+from pdflow.serving.openai_protocol import (
+    ONE_PROMPT,
+    ApiError,
+    ChatMessage,
+    CompletionRequest,
+    exactly_one,
+    parse_body,
+)
 from pdflow.serving.openapi import ERRORS
 
 _CHOICES = ("messages", "prompt", "all")
 
-_FORGET_BODY = {"oneOf": [
-    {"type": "object", "required": ["messages"], "description": "A chat body's messages: that prompt's prefix.",
-     "properties": {"messages": {"type": "array", "minItems": 1,
-                                 "items": {"$ref": "#/components/schemas/ChatMessage"}}}},
-    {"type": "object", "required": ["prompt"], "description": "A completion body's prompt: text or token ids.",
-     "properties": {"prompt": {"oneOf": [{"type": "string"},
-                                         {"type": "array", "items": {"type": "integer", "minimum": 0}}]}}},
-    {"type": "object", "required": ["all"], "description": "Everything.",
-     "properties": {"all": {"type": "boolean", "enum": [True]}}},
-]}
+
+_SCHEMA, _CHECK = exactly_one(_CHOICES)
+
+
+class ForgetRequest(BaseModel):
+    """Exactly one of: a chat body's ``messages`` (that prompt's prefix), a completion body's
+    ``prompt`` (one: text or token ids), ``all`` (everything)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_SCHEMA)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: Any = Field(default=None, json_schema_extra=ONE_PROMPT)
+    all: Literal[True] | None = None
+    _one = model_validator(mode="before")(classmethod(lambda cls, body: _CHECK(body)))
+
+
 _FORGET_DOC = {
-    "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": _FORGET_BODY}}}},
+    "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ForgetRequest"}}}}},
     "responses": {
         "200": {"description": "What each replica that keeps KV dropped (blocks in memory and on disk).",
                 "content": {"application/json": {"schema": {"type": "object"}}}},
@@ -52,25 +68,17 @@ def install_admin(app: FastAPI, ingress, read: Callable[[Request], Awaitable[byt
     @app.post("/admin/kv/forget", summary="Forget stored KV: a prefix and all built on it, or everything",
               tags=["admin"], **_FORGET_DOC)
     async def forget_kv(request: Request) -> JSONResponse:
-        body = await read(request)
-        try:
-            raw = json.loads(body)
-        except ValueError as exc:
-            raise ApiError(f"invalid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ApiError("the request body must be a JSON object")
-        given = [name for name in _CHOICES if name in raw]
-        if len(given) != 1:
-            raise ApiError(f"body: give exactly one of {', '.join(_CHOICES)}; got "
-                           f"{', '.join(given) if given else 'none'}", param=given[-1] if given else "body")
-        if given == ["all"]:
-            if raw["all"] is not True:
-                raise ApiError("all: expected true (to forget everything)", param="all")
+        req = parse_body(ForgetRequest, await read(request))
+        if req.all:
             prompt_ids = None
-        elif given == ["messages"]:
-            prompt_ids = await ingress.prompts.chat(parse_chat_request(body))
+        elif req.messages is not None:
+            prompt_ids = await ingress.prompts.chat_messages([{"role": m.role, "content": m.content or ""}
+                                                            for m in req.messages])
         else:
-            prompt_ids = await ingress.prompts.completion(parse_completion_request(body))
+            prompts = parse_body(CompletionRequest, msgspec.json.encode({"prompt": req.prompt})).prompts()
+            if len(prompts) != 1:
+                raise ApiError("prompt: give one prompt to forget", param="prompt")
+            prompt_ids = await ingress.prompts.completion(prompts[0])
         result = await ingress.forget_kv(prompt_ids)
         bt = ingress.pipeline.kv.block_tokens
         answer = {"object": "kv.forget", "everything": prompt_ids is None,

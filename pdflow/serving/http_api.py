@@ -10,35 +10,25 @@ tokenized off the event loop (:mod:`pdflow.serving.prompts`).
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdflow import __version__
-from pdflow.messages import RequestFailed, SamplingParams, TextDelta
+from pdflow.serving.admin_api import ForgetRequest, install_admin
+from pdflow.serving.choices import serve
+from pdflow.serving.metrics import CONTENT_TYPE
 from pdflow.serving.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_chunk,
-    chat_response,
-    completion_chunk,
-    completion_response,
     error_body,
-    new_request_id,
     parse_chat_request,
     parse_completion_request,
-    sampling_from,
-    sse,
-    usage_chunk,
 )
-from pdflow.serving.admin_api import install_admin
-from pdflow.serving.closing_stream import ClosingStreamingResponse
-from pdflow.serving.metrics import CONTENT_TYPE
 from pdflow.serving.openapi import install_openapi, route_doc
+from pdflow.serving import tokenize_api
 
 
 # a replica in one of these states is as it should be (the scaler's parked, draining and joining
@@ -125,132 +115,21 @@ def build_app(ingress) -> FastAPI:
     async def chat_completions(request: Request):
         req = parse_chat_request(await read_body(request, limit))
         prompt_ids = await ingress.prompts.chat(req)
-        return await _serve(ingress, request, req, prompt_ids, chat=True)
+        return await serve(ingress, request, req, [prompt_ids], chat=True)
 
     @app.post("/v1/completions", **route_doc(CompletionRequest, "text_completion"))
     async def completions(request: Request):
         req = parse_completion_request(await read_body(request, limit))
-        prompt_ids = await ingress.prompts.completion(req)
-        return await _serve(ingress, request, req, prompt_ids, chat=False)
+        prompts = req.prompts()
+        many = len(prompts) > 1
+        ids = [await ingress.prompts.completion_ids(p, f"prompt.{i}" if many else "prompt")
+               for i, p in enumerate(prompts)]
+        echoes = None
+        if req.echo:  # the prompt's text before each completion (a token prompt's as it decodes)
+            echoes = [p if isinstance(p, str) else await ingress.prompts.text(p) for p in prompts]
+        return await serve(ingress, request, req, ids, chat=False, echoes=echoes)
 
     install_admin(app, ingress, lambda request: read_body(request, limit))
-    install_openapi(app)
+    tokenize_api.install(app, ingress, lambda request: read_body(request, limit))
+    install_openapi(app, (*tokenize_api.MODELS, ForgetRequest), ingress.served_name, ingress.vocab_size)
     return app
-
-
-def _params(ingress, req, prompt_len: int, chat: bool) -> tuple[SamplingParams, dict]:
-    if req.model is not None and req.model != ingress.served_name:
-        raise ApiError(f"model: unknown model {req.model!r}; this server serves {ingress.served_name!r}",
-                       param="model", code="model_not_found")
-    context = ingress.max_context
-    if prompt_len >= context:
-        raise ApiError(
-            f"{'messages' if chat else 'prompt'}: the prompt has {prompt_len} tokens; "
-            f"the model's context is {context} tokens",
-            param="messages" if chat else "prompt", code="context_length_exceeded")
-    s = sampling_from(req)
-    max_tokens = s["max_tokens"]
-    if max_tokens is None:
-        max_tokens = context - prompt_len
-    elif prompt_len + max_tokens > context:
-        raise ApiError(
-            f"max_tokens: {max_tokens} + the prompt's {prompt_len} tokens exceed the model's context "
-            f"of {context} tokens", param="max_tokens", code="context_length_exceeded")
-    params = SamplingParams(max_tokens, s["temperature"], s["top_p"], s["top_k"], s["seed"],
-                            s["stop_token_ids"], s["ignore_eos"])
-    return params, s
-
-
-async def _serve(ingress, http: Request, req: ChatCompletionRequest | CompletionRequest,
-                 prompt_ids: list[int], chat: bool):
-    params, s = _params(ingress, req, len(prompt_ids), chat)
-    request_id = new_request_id(chat)
-    pending = await ingress.submit(request_id, prompt_ids, params, s["stop"], s["skip_special_tokens"],
-                                   kv_ttl_s=s["kv_ttl_s"])
-    try:
-        results = _results(ingress, pending)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return ClosingStreamingResponse(_stream(ingress, pending, results, chat, include_usage),
-                                            media_type="text/event-stream")
-        return await _collect(ingress, http, pending, results, chat)
-    except BaseException:  # whatever raised, the request holds no slot after it (idempotent)
-        ingress.cancel_request(pending, "failed")
-        raise
-
-
-async def _results(ingress, pending):
-    """The request's deltas until it finishes; raises ApiError when it fails or times out."""
-    deadline = pending.received + ingress.limits.request_timeout_s
-    while True:
-        try:
-            item = await asyncio.wait_for(pending.queue.get(), deadline - time.monotonic())
-        except asyncio.TimeoutError:
-            raise ApiError(f"request timed out after {ingress.limits.request_timeout_s} s",
-                           status=504, type="timeout") from None
-        if isinstance(item, RequestFailed):
-            raise ApiError(f"{item.stage}: {item.message}", status=503, type="server_error")
-        yield item
-        if item.finish_reason is not None:
-            return
-
-
-async def _collect(ingress, http: Request, pending, results, chat: bool):
-    async def gather() -> TextDelta:
-        parts, last = [], None
-        async for delta in results:
-            parts.append(delta.text)
-            last = delta
-        return last, "".join(parts)
-
-    async def disconnected() -> None:
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(gather())
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            work.cancel()
-            ingress.cancel_request(pending, "client disconnected")
-            return JSONResponse({}, status_code=499)
-        try:
-            last, text = work.result()
-        except ApiError:
-            ingress.cancel_request(pending, "failed")
-            raise
-    finally:
-        watch.cancel()
-    ingress.finish(pending, last.timeline)
-    build = chat_response if chat else completion_response
-    body = build(pending.request_id, ingress.served_name, text, last.finish_reason,
-                 pending.prompt_len, last.completion_tokens, pending.cached_tokens, pending.drafts)
-    return JSONResponse(body)
-
-
-async def _stream(ingress, pending, results, chat: bool, include_usage: bool):
-    rid, model, created = pending.request_id, ingress.served_name, int(time.time())
-    finished = False
-    try:
-        if chat:
-            yield sse(chat_chunk(rid, model, created, "", None, role_first=True))
-        last = None
-        async for delta in results:
-            last = delta
-            if delta.text:
-                yield sse(chat_chunk(rid, model, created, delta.text, None) if chat
-                          else completion_chunk(rid, model, created, delta.text, None))
-        yield sse(chat_chunk(rid, model, created, None, last.finish_reason) if chat
-                  else completion_chunk(rid, model, created, "", last.finish_reason))
-        if include_usage:
-            yield sse(usage_chunk(rid, model, created, pending.prompt_len, last.completion_tokens, chat,
-                                  pending.cached_tokens, pending.drafts))
-        yield sse("[DONE]")
-        finished = True
-        ingress.finish(pending, last.timeline)
-    except ApiError as exc:
-        yield sse(error_body(exc))
-    finally:
-        if not finished:
-            ingress.cancel_request(pending, "client disconnected or failed")

@@ -2,21 +2,20 @@
 
 Requests are pydantic models parsed straight from the body bytes; any problem becomes an
 :class:`ApiError` (400) whose ``param`` names the offending field, in OpenAI's error format.
-Fields we do not know are ignored (clients send extras); fields we know but cannot honour
-(``n > 1``, ``logprobs``, penalties) are refused rather than silently ignored.
-Responses are plain dicts in OpenAI's exact shape; :func:`sse` frames them for streaming.
+Fields we do not know are ignored (clients send extras); fields we know that would change the
+completion but are not honoured (tools, beam search, vLLM's guided_* fields...) are refused with a
+400 naming them unless their value changes nothing, never silently ignored.
+Responses are built in :mod:`pdflow.serving.openai_responses`.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
+import json
 from typing import Annotated, Any, Literal
 
-import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-_json_encode = msgspec.json.Encoder().encode
+from pdflow.guides import guide_text
 
 # bounds of the integer fields: what the wire (msgpack: int64/uint64) and the engine can carry
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed's range
@@ -24,6 +23,11 @@ INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 1024  # per stop string
 MAX_STOP_TOKEN_IDS = 256
+MAX_N = 8  # choices per request
+MAX_PROMPTS = 64  # prompts per completion request
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 1024  # tokens biased per request
+MAX_REPETITION_PENALTY = 100.0
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
@@ -42,10 +46,107 @@ def error_body(err: ApiError) -> dict:
 
 # --- requests ------------------------------------------------------------------------------
 
+# marks in the request models' JSON schemas that the served document fills in
+# (:mod:`pdflow.serving.openapi`): the served model's name; a token id (below the vocabulary's size),
+# as an integer or as the decimal text of a ``logit_bias`` key
+SERVED_MODEL, VOCAB_ID, VOCAB_ID_TEXT = "x-pdflow-served-model", "x-pdflow-vocab-id", "x-pdflow-vocab-id-text"
+_STOP = {"anyOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
+                   {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "maxLength": MAX_STOP_CHARS}},
+                   {"type": "null"}]}
+
+
+def exactly_one(names: tuple[str, ...]):
+    """A model's JSON-schema extra and before-validator for a body that gives exactly one of the
+    fields ``names`` (none of them null)."""
+    def schema_extra(schema: dict[str, Any]) -> None:
+        schema["oneOf"] = [{"required": [name], "not": {"anyOf": [{"required": [other]} for other in names
+                                                                 if other != name]}} for name in names]
+        for name in names:
+            field = schema["properties"][name]
+            if "anyOf" in field:
+                field["anyOf"] = [option for option in field["anyOf"] if option != {"type": "null"}]
+
+    def check(body: Any) -> Any:
+        if isinstance(body, dict):
+            given = [name for name in names if name in body]
+            if len(given) != 1:
+                raise ApiError(f"body: give exactly one of {', '.join(names)}; got "
+                               f"{', '.join(given) if given else 'none'}", param=given[-1] if given else "body")
+            if body[given[0]] is None:
+                raise ApiError(f"{given[0]}: must not be null", param=given[0])
+        return body
+
+    return schema_extra, check
+
+
+def _replace(schema: dict[str, Any], new: dict[str, Any]) -> None:
+    """A field's schema stated by hand (what its validator accepts), its title and default kept."""
+    kept = {key: schema[key] for key in ("title", "default", "description") if key in schema}
+    schema.clear()
+    schema.update(new, **kept)
+
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+
+
+class JsonSchema(BaseModel):
+    """``response_format.json_schema``, as OpenAI's: the output validates against ``schema``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}})
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
+
+    def guide(self) -> str:
+        """The guide the sampler follows (``""``: free text)."""
+        if self.type == "json_object":
+            return guide_text("json_object")
+        if self.type == "json_schema":
+            return guide_text("json_schema", self.json_schema.schema_)
+        return ""
+
+
+# fields a client may send that would change the completion and that pdflow does not do: each is
+# refused with a 400 naming it unless its value is one of these, which change nothing
+_NEUTRAL: dict[str, tuple] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "logits_processors": (None, []), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False), "audio": (None,),
+    "modalities": (None, ["text"]), "reasoning_effort": (None,), "web_search_options": (None,),
+    "spaces_between_special_tokens": (None, True),
+}
+_CHAT_NEUTRAL = {"add_generation_prompt": (None, True), "continue_final_message": (None, False),
+                 "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+                 "echo": (None, False)}
+
+
+def _refuse_unhonoured(body: Any, neutral: dict[str, tuple]) -> None:
+    if not isinstance(body, dict):
+        return
+    for name, values in neutral.items():
+        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in values):
+            raise ApiError(f"{name}: not supported by this server (it would change the completion); leave it out",
+                           param=name)
 
 
 class _Request(BaseModel):
@@ -53,24 +154,39 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str | None = None
+    model: str | None = Field(default=None, json_schema_extra={SERVED_MODEL: True})
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # extension; 0 and -1 mean off
+    min_p: float | None = Field(default=None, ge=0, le=1)  # extension, as vLLM's
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = Field(default=(), json_schema_extra=lambda schema: _replace(schema, _STOP))
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
-    n: int | None = 1
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
     skip_special_tokens: bool = True  # extension
     kv_ttl_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # extension: keep my KV at most this long
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)  # extension, as vLLM's
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)  # extension, as vLLM's
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS, json_schema_extra=(
+        lambda schema: _replace(schema, {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                                     "propertyNames": {VOCAB_ID_TEXT: True},
+                                                     "additionalProperties": {"type": "number", "minimum": -100,
+                                                                              "maximum": 100}},
+                                                    {"type": "null"}]})))
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unhonoured(cls, body: Any) -> Any:
+        _refuse_unhonoured(body, _NEUTRAL)
+        return body
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -87,30 +203,43 @@ class _Request(BaseModel):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return tuple(s for s in v if s)  # an empty stop string would stop before the first token
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("not supported (only 0 is accepted)")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("not supported")
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdigit() or key != str(int(key)) or int(key) > INT32_MAX:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings, no leading zeros), "
+                                 f"got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"token {key}: a bias must be within [-100, 100], got {bias}")
         return v
+
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives each output token's logprobs come with (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return None
+
+
+_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}
+
+
+def _message_schema(schema: dict[str, Any]) -> None:
+    """The document's ChatMessage: what the validator below accepts (content may be null only
+    for the assistant)."""
+    def message(roles: list[str], nullable: bool) -> dict:
+        content = [{"type": "string"}, _TEXT_PARTS, *([{"type": "null"}] if nullable else [])]
+        return {"type": "object", "required": ["role", "content"],
+                "properties": {"role": {"type": "string", "enum": roles}, "content": {"anyOf": content}}}
+
+    schema.clear()
+    schema.update({"title": "ChatMessage", "oneOf": [message(["system", "user"], False), message(["assistant"], True)]})
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_message_schema)
 
     role: Literal["system", "user", "assistant"]
     content: str | None  # text parts are joined into one string
@@ -132,81 +261,115 @@ class ChatMessage(BaseModel):
         role = info.data.get("role")
         if v is None and role != "assistant":
             raise ValueError(f"must not be null for role '{role}'")
-        if not v and role == "user":
-            raise ValueError("must not be empty")
         return v
 
 
+def _chat_schema(schema: dict[str, Any]) -> None:
+    # top_logprobs above 0 needs logprobs true
+    schema["if"] = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}}
+    schema["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
+
+
 class ChatCompletionRequest(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_chat_schema)
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_unhonoured(cls, body: Any) -> Any:
+        _refuse_unhonoured(body, _CHAT_NEUTRAL)
+        return body
 
     def model_post_init(self, _context: Any) -> None:
         if self.max_completion_tokens is not None:  # the newer name wins, as in vLLM
             self.max_tokens = self.max_completion_tokens
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _logprobs(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("not supported")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError("top_logprobs: needs logprobs set to true", param="top_logprobs")
+        return self
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as ``apply_chat_template`` expects them (content always a string)."""
         return [{"role": m.role, "content": m.content or ""} for m in self.messages]
 
 
+Prompt = str | list[int]
+
+
+_ONE_PROMPT = [{"type": "string", "minLength": 1},
+               {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, VOCAB_ID: True}}]
+ONE_PROMPT = {"anyOf": _ONE_PROMPT}  # (the schema of one prompt)
+_PROMPT = {"anyOf": [*_ONE_PROMPT, {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                                    "items": {"anyOf": _ONE_PROMPT}}]}
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[int]
-    logprobs: int | None = None
+    # one prompt (text or token ids) or several
+    prompt: str | list[int] | list[str | list[int]] = Field(json_schema_extra=lambda schema: _replace(schema, _PROMPT))
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
-            v = v[0]
+    def _prompt(cls, v: Any) -> Prompt | list[Prompt]:
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):  # several prompts
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            prompts = [cls._one_prompt(p, f"prompt {i}: ") for i, p in enumerate(v)]
+            return prompts[0] if len(prompts) == 1 else prompts
+        return cls._one_prompt(v, "")
+
+    @staticmethod
+    def _one_prompt(v: Any, where: str) -> Prompt:
         if isinstance(v, str):
             if not v:
-                raise ValueError("must not be empty")
+                raise ValueError(f"{where}must not be empty")
             return v
         if not isinstance(v, list):
-            raise ValueError("must be a string or a list of token ids")
+            raise ValueError(f"{where}must be a string or a list of token ids")
         if not v:
-            raise ValueError("must not be empty")
-        if all(isinstance(t, str) for t in v) or all(isinstance(t, list) for t in v):
-            raise ValueError("only one prompt per request is supported")
+            raise ValueError(f"{where}must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in v):
-            raise ValueError("a list prompt must hold non-negative token ids")
+            raise ValueError(f"{where}a list prompt must hold non-negative token ids")
         return v
 
-    @field_validator("logprobs", "echo", "suffix")
-    @classmethod
-    def _unsupported(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("not supported")
-        return v
+    def prompts(self) -> list[Prompt]:
+        """Each prompt of the request (one, or the batch it sent)."""
+        p = self.prompt
+        return p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return v
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
-def _parse(model: type[_Request], body: bytes) -> Any:
+def _json_number(text: str) -> int | float:
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 2**63 else value
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    """A body parsed and validated as ``model``; any problem an :class:`ApiError` (400) naming the
+    field. A number with no fraction (``3.0``) is an integer, as JSON Schema counts it."""
     try:
-        return model.model_validate_json(body)
+        data = json.loads(body, parse_float=_json_number)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(f"invalid JSON: {e}") from None
+    try:
+        return model.model_validate(data)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
-        if err["type"] == "json_invalid":
-            raise ApiError(f"invalid JSON: {err.get('ctx', {}).get('error', err['msg'])}") from None
         param = ".".join(str(p) for p in err["loc"]) or None
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "model_type":
@@ -218,106 +381,31 @@ def _parse(model: type[_Request], body: bytes) -> Any:
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Parse and validate a ``/v1/chat/completions`` body; raises :class:`ApiError` (400)."""
-    return _parse(ChatCompletionRequest, body)
+    return parse_body(ChatCompletionRequest, body)
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Parse and validate a ``/v1/completions`` body; raises :class:`ApiError` (400)."""
-    return _parse(CompletionRequest, body)
+    return parse_body(CompletionRequest, body)
 
 
 def sampling_from(req: _Request) -> dict:
-    """The request's sampling settings, defaults filled in (``top_k`` 0 means off)."""
+    """The request's sampling settings, defaults filled in (``top_k`` 0 means off): the
+    :class:`~pdflow.messages.SamplingParams` fields but ``max_tokens``, which needs the prompt's length."""
     return {
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "top_k": max(req.top_k or 0, 0),
         "seed": req.seed,
-        "max_tokens": req.max_tokens,
-        "stop": req.stop,
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,
-        "skip_special_tokens": req.skip_special_tokens,
-        "kv_ttl_s": req.kv_ttl_s,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "min_p": req.min_p or 0.0,
+        "min_tokens": req.min_tokens or 0,
+        "logit_bias": {int(k): float(v) for k, v in (req.logit_bias or {}).items() if v},
+        "logprobs": req.logprobs_wanted(),
+        "prompt_logprobs": req.prompt_logprobs_wanted(),
+        "guide": req.response_format.guide() if req.response_format is not None else "",
     }
-
-
-# --- responses -----------------------------------------------------------------------------
-
-
-def new_request_id(chat: bool) -> str:
-    """``chatcmpl-<hex>`` or ``cmpl-<hex>``: the ``id`` every response of a request carries."""
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, drafts: tuple[int, int] = (0, 0)) -> dict:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV came
-    from the prefix cache; with speculative decoding (``drafts``: draft tokens verified, kept),
-    ``completion_tokens_details`` says how many were accepted and rejected, in the fields OpenAI
-    uses for predicted outputs."""
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-    proposed, accepted = drafts
-    if proposed:
-        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                              "rejected_prediction_tokens": proposed - accepted}
-    return usage
-
-
-def chat_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                  prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-                  drafts: tuple[int, int] = (0, 0)) -> dict:
-    return {
-        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": None, "finish_reason": finish_reason}],
-        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens, drafts),
-    }
-
-
-def chat_chunk(request_id: str, model: str, created: int, delta_text: str | None,
-               finish_reason: str | None, role_first: bool = False) -> dict:
-    """One streamed chat chunk; the first (``role_first``) announces the assistant role."""
-    if role_first:
-        delta = {"role": "assistant", "content": delta_text or ""}
-    else:
-        delta = {} if delta_text is None else {"content": delta_text}
-    return {
-        "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def completion_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                        prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-                        drafts: tuple[int, int] = (0, 0)) -> dict:
-    return {
-        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens, drafts),
-    }
-
-
-def completion_chunk(request_id: str, model: str, created: int, text: str,
-                     finish_reason: str | None) -> dict:
-    return {
-        "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def usage_chunk(request_id: str, model: str, created: int, prompt_tokens: int,
-                completion_tokens: int, chat: bool, cached_tokens: int = 0, drafts: tuple[int, int] = (0, 0)) -> dict:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
-    return {
-        "id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created, "model": model, "choices": [],
-        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens, drafts),
-    }
-
-
-def sse(data: dict | str) -> bytes:
-    """One server-sent event: ``data: <json>\\n\\n``; a string (``"[DONE]"``) goes verbatim."""
-    payload = data.encode() if isinstance(data, str) else _json_encode(data)
-    return b"data: " + payload + b"\n\n"

@@ -13,7 +13,13 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pdflow.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdflow.serving.openai_protocol import (
+    SERVED_MODEL,
+    VOCAB_ID,
+    VOCAB_ID_TEXT,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 _REF = "#/components/schemas/{model}"
 
@@ -49,12 +55,23 @@ USAGE = {
 
 
 def _completion_schema(obj: str) -> dict:
+    chat = obj == "chat.completion"
+    answer = ({"message": {"type": "object", "required": ["role", "content"],
+                           "properties": {"role": {"type": "string"}, "content": {"type": ["string", "null"]}}}}
+              if chat else {"text": {"type": "string"}})
+    choice = {"type": "object", "required": ["index", "finish_reason", *answer],
+              "properties": {"index": {"type": "integer"}, **answer,
+                             "logprobs": {"type": ["object", "null"], "description": "OpenAI's shape for "
+                                          + ("chat: content[]" if chat else "completions: tokens, token_logprobs, "
+                                             "top_logprobs, text_offset")},
+                             "finish_reason": {"type": ["string", "null"]}}}
     return {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices"],
         "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": [obj]},
                        "created": {"type": "integer"}, "model": {"type": "string"},
-                       "choices": {"type": "array", "items": {"type": "object"}}, "usage": _ref("Usage")},
+                       "system_fingerprint": {"type": "string"},
+                       "choices": {"type": "array", "items": choice}, "usage": _ref("Usage")},
     }
 
 
@@ -93,23 +110,64 @@ def route_doc(model: type, obj: str) -> dict:
     }
 
 
-def _components() -> dict:
+def _components(models) -> dict:
     schemas = {"ErrorResponse": ERROR_RESPONSE, "Usage": USAGE}
-    for model, obj in ((ChatCompletionRequest, "chat.completion"), (CompletionRequest, "text_completion")):
+    for model in (ChatCompletionRequest, CompletionRequest, *models):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
+    for model, obj in ((ChatCompletionRequest, "chat.completion"), (CompletionRequest, "text_completion")):
         schemas[f"{model.__name__}Response"] = _completion_schema(obj)
     return schemas
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Serve a document whose every ``$ref`` resolves (the request models' nested schemas too)."""
+def integers_below(n: int) -> str:
+    """A regular expression of the decimal texts of the integers in ``[0, n)``, without leading
+    zeros (``n`` >= 1)."""
+    top = str(n - 1)
+    shorter = ["0", "[1-9]"] + ([f"[1-9][0-9]{{1,{len(top) - 2}}}"] if len(top) > 2 else [])
+    if len(top) == 1:
+        shorter = ["0"] if top == "0" else [f"[0-{top}]"]
+        return f"^({'|'.join(shorter)})$"
+    same = []
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            same.append(f"{top[:i]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    same.append(top)
+    return f"^({'|'.join(shorter + same)})$"
+
+
+def _served(node, served_name: str, vocab: int) -> None:
+    """Fill in the marks the request models leave (:data:`SERVED_MODEL`, :data:`VOCAB_ID`,
+    :data:`VOCAB_ID_TEXT`) with what this server takes."""
+    if isinstance(node, list):
+        for item in node:
+            _served(item, served_name, vocab)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.pop(SERVED_MODEL, False):
+        node["anyOf"] = [{"type": "string", "enum": [served_name]}, {"type": "null"}]
+    if node.pop(VOCAB_ID, False):
+        node["maximum"] = vocab - 1
+    if node.pop(VOCAB_ID_TEXT, False):
+        node.update({"type": "string", "pattern": integers_below(vocab)})
+    for value in node.values():
+        _served(value, served_name, vocab)
+
+
+def install_openapi(app: FastAPI, models: tuple = (), served_name: str | None = None, vocab: int = 2**31) -> None:
+    """Serve a document whose every ``$ref`` resolves (the request models' nested schemas too;
+    ``models``: the request bodies of other endpoints), stating what this server takes: its model's
+    name (``served_name``), token ids below ``vocab``."""
     def openapi() -> dict:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, description=app.description,
                                    routes=app.routes)
-            document.setdefault("components", {}).setdefault("schemas", {}).update(_components())
+            document.setdefault("components", {}).setdefault("schemas", {}).update(_components(models))
+            _served(document["components"]["schemas"], served_name, vocab)
             _document_open_routes(document)
             app.openapi_schema = document
         return app.openapi_schema
@@ -127,7 +185,7 @@ def _document_open_routes(document: dict) -> None:
                                       "content": {"application/json": {"schema": {"type": "object"}}}}
     for path, item in paths.items():
         for operation in item.values():
-            if path.startswith(("/v1/", "/debug/")):
+            if path.startswith(("/v1/", "/debug/", "/tokenize", "/detokenize")):
                 operation["responses"].setdefault("401", ERRORS["401"])
             if path.startswith("/debug/timeline/"):
                 operation["responses"]["404"] = _error("No timeline is kept for that id.")

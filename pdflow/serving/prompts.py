@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 
-from pdflow.serving.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from pdflow.serving.openai_protocol import ApiError, ChatCompletionRequest, Prompt
 
 
 def _max_token_bytes(tokenizer) -> int:
@@ -52,22 +53,42 @@ class PromptBuilder:
         if len(messages) > self.max_messages:
             raise ApiError(f"messages: {len(messages)} messages; this server takes at most {self.max_messages} "
                            "(server.max_messages)", param="messages")
+        return await self.chat_messages(messages)
+
+    async def chat_messages(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The ids of templated messages (``{"role", "content"}``)."""
         self._check_bound([m["content"] for m in messages], "messages")
-        return await self._run(self._chat_ids, messages)
+        return await self._run(self._chat_ids, messages, add_generation_prompt)
 
-    async def completion(self, req: CompletionRequest) -> list[int]:
-        prompt = req.prompt
+    async def completion(self, prompt: Prompt, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """One prompt's ids: text tokenized, token ids checked against the vocabulary."""
         if isinstance(prompt, list):
-            if any(t >= self.vocab for t in prompt):
-                raise ApiError(f"prompt: token ids must be in [0, {self.vocab})", param="prompt")
+            self.check_ids(prompt, param)
             return list(prompt)
-        self._check_bound([prompt], "prompt")
-        return await self._run(self.tokenizer.encode, prompt)
+        self._check_bound([prompt], param)
+        return await self._run(partial(self.tokenizer.encode, add_special_tokens=add_special_tokens), prompt)
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+    async def completion_ids(self, prompt: Prompt, param: str = "prompt") -> list[int]:
+        """One prompt's ids to complete: at least one (a text of control characters alone has none)."""
+        ids = await self.completion(prompt, param)
+        if not ids:
+            raise ApiError(f"{param}: the prompt has no tokens (its text is dropped by the tokenizer)", param=param)
+        return ids
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        if any(t >= self.vocab for t in ids):
+            raise ApiError(f"{param}: token ids must be in [0, {self.vocab})", param=param)
+
+    async def text(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of token ids (checked against the vocabulary first)."""
+        self.check_ids(ids, "tokens")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, partial(self.tokenizer.decode, skip_special_tokens=skip_special_tokens), ids)
+
+    def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, return_dict=False)
         return list(ids)
 
-    async def _run(self, fn, arg) -> list[int]:
-        return list(await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg))
+    async def _run(self, fn, *args) -> list[int]:
+        return list(await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args))

@@ -25,7 +25,8 @@ class TextStream:
     still generating must be told to stop (a stop string matched before it finished)."""
 
     __slots__ = ("request_id", "detokenizer", "matcher", "next_index", "completion_tokens", "cached_tokens",
-                 "pending", "unreported", "skip_chars", "pending_text", "finished", "drafts")
+                 "pending", "unreported", "skip_chars", "pending_text", "finished", "drafts", "unreported_logprobs",
+                 "prompt_logprobs", "resumed")
 
     def __init__(self, request_id: str, tokenizer: Any, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
                  resume_ids: tuple[int, ...] | list[int] = (), resume_chars: int = 0):
@@ -37,6 +38,9 @@ class TextStream:
         self.cached_tokens = 0  # from the first Tokens: prompt tokens whose KV came from the store
         self.pending: dict[int, Tokens] = {}  # arrived ahead of their turn, by index
         self.unreported: list[int] = []  # tokens since the last TextDelta
+        self.unreported_logprobs: list = []  # their logprobs, where the request asked for them
+        self.prompt_logprobs: list = []  # the prompt's (from the first Tokens), until the first TextDelta
+        self.resumed = bool(resume_ids)  # (a migrated request's prompt logprobs score another prompt: dropped)
         self.skip_chars = resume_chars  # text the client already has (a migrated request)
         self.pending_text = ""  # rebuilt text of a migrated request not yet sent
         self.finished = False
@@ -68,6 +72,9 @@ class TextStream:
     def _emit(self, tokens: Tokens) -> tuple[TextDelta | None, bool]:
         self.completion_tokens += len(tokens.token_ids)
         self.unreported.extend(tokens.token_ids)
+        self.unreported_logprobs.extend(tokens.logprobs)
+        if tokens.index == 0 and tokens.prompt_logprobs and not self.resumed:
+            self.prompt_logprobs = tokens.prompt_logprobs
         self.cached_tokens = max(self.cached_tokens, tokens.cached_tokens)
         self.drafts = max(self.drafts, (tokens.draft_proposed, tokens.draft_accepted))
         text, stopped = self.matcher.feed(self.detokenizer.add(tokens.token_ids))
@@ -84,6 +91,7 @@ class TextStream:
             return None, False
         self.finished = reason is not None
         delta = TextDelta(self.request_id, text, self.completion_tokens, reason, tokens.timeline,
-                          self.cached_tokens, self.unreported, *self.drafts)
-        self.unreported = []
+                          self.cached_tokens, self.unreported, *self.drafts, self.unreported_logprobs,
+                          self.prompt_logprobs)
+        self.unreported, self.unreported_logprobs, self.prompt_logprobs = [], [], []
         return delta, stop_producer

@@ -23,6 +23,8 @@ this step):
   takes at most 64 rows), trimming the longest drafts first. A full batch (``max_rows``
   sequences or more) drafts nothing: each of its rows already shares the weights' read, which is
   what speculation would otherwise buy.
+- a sequence whose sampler is not plain (penalties, bias, ``min_tokens``, a guide, logprobs:
+  each token's pick depends on the tokens before it) drafts nothing and samples as in a plain step.
 
 :func:`speculative_step` is the step itself, for any batch that can run a forward pass over rows
 of its sequences (``forward(owners, offsets, tokens)``: row *r* is token ``tokens[r]`` of
@@ -91,7 +93,7 @@ class Speculation:
     def budgets(self, seqs: "list[Sequence]", max_context: int) -> list[int]:
         cost = self.row_cost_in(len(seqs))
         budgets = [max(0, min(self.wanted(seq, cost), seq.sampler.params.max_tokens - seq.generated - 1,
-                              max_context - 1 - seq.position)) for seq in seqs]
+                              max_context - 1 - seq.position)) if seq.sampler.plain else 0 for seq in seqs]
         rows = len(seqs) + sum(budgets)
         while rows > self.max_rows and any(budgets):  # the longest drafts give way first
             i = max(range(len(budgets)), key=budgets.__getitem__)
@@ -145,7 +147,9 @@ def speculative_step(batch, seqs: "list[Sequence]", speculation: Speculation, fo
     out, row = [], 0
     for seq, draft in zip(seqs, drafts):
         n = len(draft.tokens) + 1
-        emitted = accept(logits[row : row + n], draft, seq.sampler)
+        # a sequence with logits processors, a guide or logprobs drafts nothing: it samples as in a plain step
+        emitted = accept(logits[row : row + n], draft, seq.sampler) if seq.sampler.plain \
+            else [seq.sampler.sample(logits[row])]
         row += n
         speculation.record(seq, n - 1, len(emitted) - 1)
         seq.length += len(emitted)  # the tokens fed and kept are cached now; the last emitted is fed next

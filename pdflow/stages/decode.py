@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdflow import transports
-from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
+from pdflow.engine import DecodeBatch, SamplerFactory, Sequence, load_model
 from pdflow.engine.paged import KvPool, PagedDecodeBatch
 from pdflow.engine.stopping import after_decode_step, in_order
 from pdflow.kv.arena import ArenaLayout
@@ -89,13 +89,16 @@ class DecodeStage(CountsDecodeSteps, Stage):
     @classmethod
     def admission(cls, submission: Submission, name: str) -> DecodeRequest:
         return DecodeRequest(submission.request_id, len(submission.prompt_ids), submission.sampling, submission.route,
-                             list(submission.prompt_ids) if submission.speculating else [])
+                             list(submission.prompt_ids) if submission.speculating or submission.sampling.reads_prompt
+                             else [])
 
     async def setup(self) -> None:
         topo, cfg = self.pipeline, self.config
         self.executor = engine_thread("decode-step")
         self.model = await run_in(self.executor, load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
                                   topo.model.weights)
+        self.model.max_context = topo.model.context(self.model.max_context)  # (model.max_model_len)
+        self.samplers = SamplerFactory(self.model.eos_token_ids, self.model.vocab_size, self.ctx.model_dir)
         self.from_shuttle = self.kv_receiver("destination")
         await self.from_shuttle.start()
         self.to_shuttle = self.kv_sender("destination")
@@ -195,6 +198,8 @@ class DecodeStage(CountsDecodeSteps, Stage):
     # --- KV arrival -------------------------------------------------------------------------
 
     async def on_request(self, message: DecodeRequest) -> None:
+        if message.sampling.guide and not self.samplers.warm:  # the grammar engine's first load, off the step thread
+            self.spawn(asyncio.to_thread(self.samplers.warm_up))
         if self.in_place:
             layout = self.model.layout
             entry = _Incoming(message, None, POOL, 2 * layout.num_layers * message.prompt_len, [0.0] * layout.num_layers)
@@ -410,8 +415,9 @@ class DecodeStage(CountsDecodeSteps, Stage):
             n = entry.request.prompt_len
             first = entry.done.first_token
             history = [*entry.request.prompt_ids, first] if self.batch.speculation is not None else None
-            seq = Sequence(entry.request.request_id, n - entry.skipped, first, Sampler(entry.request.sampling),
-                           skipped=entry.skipped, history=history)
+            sampler = self.samplers.make(entry.request.sampling, entry.request.prompt_ids, [first])
+            seq = Sequence(entry.request.request_id, n - entry.skipped, first, sampler, skipped=entry.skipped,
+                           history=history)
             if slots is not None:
                 self.batch.add(seq, slots)
             else:
@@ -485,7 +491,8 @@ class DecodeStage(CountsDecodeSteps, Stage):
                 timeline["decode.steps"] = seq.extra["steps"]
                 timeline["decode.end"] = [now]
             message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline,
-                             draft_proposed=seq.proposed, draft_accepted=seq.accepted)
+                             draft_proposed=seq.proposed, draft_accepted=seq.accepted,
+                             logprobs=seq.sampler.take_logprobs())
             await self.send_output("tokens", entry.request.route, message)
 
     # --- the answer's KV back into the store ------------------------------------------------------

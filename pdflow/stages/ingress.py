@@ -48,7 +48,9 @@ from pdflow.routing import NoReplicaAvailable, ReplicaStatus, RoutingRequest
 from pdflow.runtime.stage import Stage, Submission, wired_to
 from pdflow.security.keys import load_api_key
 from pdflow.serving.http_server import HttpServer, http_server
+from pdflow.serving.logprobs_format import TokenTexts
 from pdflow.serving.metrics import ServingMetrics
+from pdflow.serving.openai_responses import system_fingerprint
 from pdflow.serving.openai_protocol import ApiError
 from pdflow.serving.prompts import PromptBuilder
 from pdflow.serving.text_stream import TextStream
@@ -98,11 +100,14 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         model_dir = self.ctx.model_dir
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir)
-        self.max_context = int(getattr(config, "max_position_embeddings", 2048))
+        self.max_context = self.pipeline.model.context(int(getattr(config, "max_position_embeddings", 2048)))
         self.prompts = await asyncio.to_thread(PromptBuilder, self.tokenizer, self.max_context,
                                                self.pipeline.server.max_messages)
         self.api_key = self.keys.api_key if self.keys is not None else load_api_key(self.pipeline.security)
         self.served_name = self.pipeline.model.served_name
+        self.vocab_size = int(getattr(config, "vocab_size", 0)) or len(self.tokenizer)  # a row of logits' width
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.fingerprint = system_fingerprint(self.pipeline.model.weights)
         self.timelines: OrderedDict[str, dict] = OrderedDict()
         self.down: set[tuple[str, int]] = set()
         self.unrouted: set[tuple[str, int]] = set()  # the scaler's: parked, draining or joining (not down)
@@ -221,8 +226,10 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
 
     async def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
-        skip_special_tokens: bool, *, kv_ttl_s: float | None = None,
+        skip_special_tokens: bool, *, kv_ttl_s: float | None = None, route: Route | None = None,
     ) -> PendingRequest:
+        """Admit one request (``route``: the replicas it goes through; None: the router picks:
+        the choices of an ``n > 1`` request share the first's, whose store holds the prompt's KV)."""
         if not self.accepting:
             raise ApiError("the server is shutting down", status=503, type="server_error")
         if len(self.requests) >= self.limits.max_queued_requests:
@@ -230,7 +237,7 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
                 f"too many requests in flight (max_queued_requests={self.limits.max_queued_requests}); retry later",
                 status=429, type="rate_limit_error",
             )
-        route = self._route(request_id, prompt_ids)
+        route = route or self._route(request_id, prompt_ids)
         submission = Submission(request_id, prompt_ids, params, stop, skip_special_tokens, route, kv_ttl_s=kv_ttl_s,
                                 speculating=self.pipeline.speculative.enabled)
         pending = PendingRequest(request_id, route, len(prompt_ids), submission=submission, internal_id=request_id)

@@ -171,7 +171,8 @@ class KvShuttleStage(Stage):
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> KvExpected:
-        return KvExpected(submission.request_id, submission.prompt_ids, submission.route, submission.kv_ttl_s)
+        return KvExpected(submission.request_id, submission.prompt_ids, submission.route, submission.kv_ttl_s,
+                          submission.sampling.prompt_logprobs is None)
 
     async def setup(self) -> None:
         topo = self.pipeline
@@ -280,7 +281,7 @@ class KvShuttleStage(Stage):
         self.arrivals += 1
         entry = _Entry(message, asyncio.get_running_loop().create_future(), arrival=self.arrivals)
         self.requests.open(message.request_id, entry)
-        ids = self.hasher.ids(message.prompt_ids) if self.reuse else []
+        ids = self.hasher.ids(message.prompt_ids) if self.reuse and message.reuse_prefix else []
         if self._on_the_way(entry, ids) is None and not self._continues_on_disk(ids, len(message.prompt_ids)) \
                 and self._fetch_peer(entry) is None:
             await self._plan(entry, ids)
@@ -678,13 +679,14 @@ class KvShuttleStage(Stage):
         blocks = answer_blocks(n, n + len(message.output_ids), bt)
         # no output: it ended unfinished (cancelled, failed), and a writer may not have stopped yet
         unfinished = not message.output_ids
+        reuse = self.reuse and entry.request.reuse_prefix  # (not: its prompt's blocks were not stored either)
         if entry.in_store:  # decode wrote the answer's KV into the request's own blocks here
-            if self.reuse and blocks and not unfinished:
+            if reuse and blocks and not unfinished:
                 self._commit_in_place(entry, message.output_ids, blocks)
             self._end(rid, unfinished)
             return
         # (a second KvReleased, after an answer was offered: decode gave it up)
-        if not (self.reuse and message.output_ids and blocks and entry.lease is not None and entry.answer is None):
+        if not (reuse and message.output_ids and blocks and entry.lease is not None and entry.answer is None):
             self._end(rid, unfinished)
             return
         ids = self.hasher.ids(entry.request.prompt_ids + message.output_ids)[: blocks.stop]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pdflow import transports
-from pdflow.engine import Sampler, load_model, prefill
+from pdflow.engine import SamplerFactory, load_model, prefill
 from pdflow.engine.llama import CompactLlama
 from pdflow.engine.stopping import finish_reason
 from pdflow.kv.arena import ArenaLayout, runs
@@ -100,6 +100,8 @@ class PrefillStage(Stage):
         self.executor = engine_thread("prefill-forward")
         self.model = await run_in(self.executor, load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
                                   topo.model.weights)
+        self.model.max_context = topo.model.context(self.model.max_context)  # (model.max_model_len)
+        self.samplers = SamplerFactory(self.model.eos_token_ids, self.model.vocab_size, self.ctx.model_dir)
         self.to_shuttle = self.kv_sender("kv")
         # KV computed in device memory goes to the store's host arena through pinned buffers,
         # copied on a stream and a thread of their own (the loop and the forward never wait)
@@ -335,8 +337,10 @@ class PrefillStage(Stage):
 
         computed = asyncio.Event()
         sender = asyncio.ensure_future(self._send_layers(job, plan, layers, computed, arena))
-        sampler = Sampler(request.sampling)
-        try:
+        try:  # (a guide's first compile takes a second: off the event loop)
+            sampler = await loop.run_in_executor(self.executor, self.samplers.make, request.sampling,
+                                                 request.prompt_ids) if request.sampling.guide \
+                else self.samplers.make(request.sampling, request.prompt_ids)
             result = await loop.run_in_executor(self.executor, prefill, self.model, request.prompt_ids, sampler,
                                                 sink, past, plan.cached_tokens, targets, attended)
         except BaseException:
@@ -356,7 +360,7 @@ class PrefillStage(Stage):
             compute["prefill.prefix_in"] = list(job.prefix.landed)
         # a request that ends here gets its (prefill-only) timeline with its only token
         first = Tokens(request.request_id, 0, [token], reason, compute if reason is not None else {},
-                       plan.cached_tokens)
+                       plan.cached_tokens, logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs)
         await self.send_output("tokens", request.route, first)
         self.log.info("prefill.done", request_id=request.request_id, tokens=n, cached=plan.cached_tokens,
                       seconds=round(result.finished - result.started, 4))

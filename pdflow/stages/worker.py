@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections import deque
 
-from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
+from pdflow.engine import DecodeBatch, SamplerFactory, Sequence, load_model
 from pdflow.engine.chunked import ChunkedPrefill
 from pdflow.engine.stopping import after_decode_step, finish_reason, in_order
 from pdflow.kv.blocks import BlockHasher, answer_blocks
@@ -47,6 +47,8 @@ class WorkerStage(CountsDecodeSteps, Stage):
         self.executor = engine_thread("worker-step")
         self.model = await run_in(self.executor, load_model, self.ctx.model_dir, topo.model.dtype, cfg.device,
                                   topo.model.weights)
+        self.model.max_context = topo.model.context(self.model.max_context)  # (model.max_model_len)
+        self.samplers = SamplerFactory(self.model.eos_token_ids, self.model.vocab_size, self.ctx.model_dir)
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
         self.batch.speculation = topo.speculative.make(self.model)
         kv = topo.kv
@@ -104,8 +106,11 @@ class WorkerStage(CountsDecodeSteps, Stage):
                     self.gone.discard(request.request_id)
                     continue
                 started = time.monotonic()
-                cached, past = self.cache.prefix(request.request_id, request.prompt_ids) if self.cache else (0, None)
-                run = ChunkedPrefill(self.model, request.prompt_ids, Sampler(request.sampling), past)
+                cached, past = 0, None
+                if self.cache is not None and request.sampling.prompt_logprobs is None:  # (those need every position)
+                    cached, past = self.cache.prefix(request.request_id, request.prompt_ids)
+                sampler = self.samplers.make(request.sampling, request.prompt_ids)
+                run = ChunkedPrefill(self.model, request.prompt_ids, sampler, past)
                 self.prefilling = (request, run, {"worker.queued": [queued], "prefill.start": [started],
                                                   "cached": cached})
             request, run, timeline = self.prefilling
@@ -115,6 +120,7 @@ class WorkerStage(CountsDecodeSteps, Stage):
                 budget -= before - run.remaining
             if token is not None:
                 timeline["prefill.end"] = [time.monotonic()]
+                timeline["logprobs"] = run.sampler.take_logprobs()  # the first token's (before its first step)
                 self._keep_prompt(request, run, timeline["cached"])
                 done.append((request, token, run, timeline))
                 self.prefilling = None
@@ -169,16 +175,18 @@ class WorkerStage(CountsDecodeSteps, Stage):
             remove = [self.running.pop(rid) for rid in list(self.gone) if rid in self.running]
             self.gone.difference_update(seq.request_id for seq in remove)
             prefilled, joined, results = await loop.run_in_executor(self.executor, self._iterate, remove)
-            for request, token, _, timeline in prefilled:
+            for request, token, run, timeline in prefilled:
                 reason = timeline.pop("finish")
                 cached = timeline.pop("cached")
+                logprobs = timeline.pop("logprobs")
                 if request.request_id in self.gone:
                     if request.request_id not in self.running:
                         self.gone.discard(request.request_id)
                     continue
                 if reason is not None:
                     self.finish(request.request_id)
-                first = Tokens(request.request_id, 0, [token], reason, cached_tokens=cached)
+                first = Tokens(request.request_id, 0, [token], reason, cached_tokens=cached,
+                               logprobs=logprobs, prompt_logprobs=run.prompt_logprobs)
                 await self.send_output("tokens", request.route, first)
             for seq in joined:
                 self.running[seq.request_id] = seq
@@ -199,5 +207,6 @@ class WorkerStage(CountsDecodeSteps, Stage):
                 self.finish(seq.request_id)
                 timeline = {**seq.extra["timeline"], "decode.steps": seq.extra["steps"], "decode.end": [now]}
             message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline,
-                             draft_proposed=seq.proposed, draft_accepted=seq.accepted)
+                             draft_proposed=seq.proposed, draft_accepted=seq.accepted,
+                             logprobs=seq.sampler.take_logprobs())
             await self.send_output("tokens", request.route, message)
