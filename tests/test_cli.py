@@ -201,3 +201,56 @@ def test_run_refuses_a_topology_whose_secret_cannot_be_read(tmp_path: Path) -> N
     result = pdflow("run", str(topology))
     assert result.returncode == 1
     assert "PDFLOW_NO_SUCH_SECRET is not set" in result.stderr
+
+
+# --- topology overrides: `pdflow run [TOPOLOGY] --model --port --bind ... --set` ----------------
+
+def _loaded(*argv: str):
+    from pdflow import cli
+
+    args = cli._parser().parse_args(["run", *argv])
+    return cli._load(args), args
+
+
+def test_flags_override_the_topology_and_validate_shows_them() -> None:
+    result = pdflow("validate", "topology.toml", "--port", "8001", "--bind", "0.0.0.0", "--served-model-name", "mine",
+                    "--max-model-len", "2048", "--set", "stages.decode.replicas=2", "--set", "limits.max_batch=3")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "served as 'mine'" in out and "context 2048 tokens at most" in out
+    assert "HTTP API: http://0.0.0.0:8001" in out and "decode      x2" in out
+
+
+def test_flags_without_a_topology_change_the_defaults() -> None:
+    topology, _ = _loaded("--port", "8123", "--set", 'router.policy="round_robin"')
+    assert topology.server.port == 8123 and topology.router.policy == "round_robin"
+    assert topology.stages.keys() >= {"ingress", "prefill", "kv_shuttle", "decode"}
+    assert topology.model.context(8192) == 8192 and _loaded("--max-model-len", "100")[0].model.context(8192) == 100
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (("--port", "abc"), "(defaults): server.port: expected an integer, got string \"abc\" (given by --port abc)"),
+    (("--set", "server.port=70000"), "server.port: expected an integer >= 1 and <= 65535, got 70000 "
+                                     "(given by --set server.port=70000)"),
+    (("--set", "nonsense"), "--set nonsense: expected KEY.PATH=VALUE"),
+    (("--set", "server.port.x=1"), 'server.port: expected an integer, got table {"x": 1} (given by --set server.port.x=1)'),
+    (("topology.toml", "--set", "server.port.x=1"), "--set server.port.x=1: server.port is not a table"),
+    (("--set", "model.colour=1"), "model.colour"),
+    (("--max-model-len", "0"), "model.max_model_len: expected an integer >= 1"),
+    (("--model", "./no/such/model"), "does not exist (given by --model ./no/such/model)"),
+])
+def test_a_bad_override_names_its_flag(argv: tuple[str, ...], fragment: str, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        _loaded(*argv)
+    assert info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_host_is_the_bind_address_and_a_host_name_is_still_the_node(capsys) -> None:
+    topology, args = _loaded("--host", "0.0.0.0")
+    assert topology.server.host == "0.0.0.0" and args.node is None
+    hosts = str(REPO / "topologies" / "multi-host.toml")
+    name = next(iter(_loaded(hosts)[0].hosts))
+    topology, args = _loaded(hosts, "--host", name)
+    assert args.node == name and args.host is None and topology.server.host != name
+    assert f"use --node {name}" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """End to end across machines: each stage on a host of its own (a network namespace with its own
 address, joined to the others by veth pairs and a bridge, its link shaped by tc), started by
-`pdflow run topology.toml --host NAME` in that namespace, as an operator would on each machine.
+`pdflow run topology.toml --node NAME` in that namespace, as an operator would on each machine.
 
 One pipeline: ingress on `head` (which supervises), prefill, kv-shuttle and two decode replicas
 on four more hosts, and a second prefill replica on a sixth that the scaler (deciding on `head`)

@@ -1,6 +1,6 @@
 """Several hosts in a topology: [hosts], stages placed with `on`, bind and advertised addresses,
 the checks that keep a pipeline on several machines authenticated and on transports that cross
-them, and which replicas `pdflow run --host NAME` starts. (Transports advertising an address
+them, and which replicas `pdflow run --node NAME` starts. (Transports advertising an address
 other than the one they bind: the transport conformance suite.)"""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_one_host_named_is_not_several() -> None:
     t = parse('[hosts.only]', 'address = "192.168.1.5"', '[stages.decode]', 'replicas = 2')
     assert not t.multi_host and t.control.on == "only"
     assert t.stages["decode"].control_address(1) == "tcp://192.168.1.5:5541"
-    assert this_host(t, None) == "only"  # `pdflow run` without --host runs it all
+    assert this_host(t, None) == "only"  # `pdflow run` without --node runs it all
 
 
 def test_same_ports_on_different_hosts_do_not_clash_but_on_one_host_they_do() -> None:
@@ -92,7 +92,7 @@ def test_bad_placement_names_the_key(tmp_path: Path, lines: list[str], key: str,
 def test_which_replicas_a_launcher_runs() -> None:
     t = parse(*SECRET, *HOSTS, *PLACED)
     assert this_host(t, "gpu2") == "gpu2"
-    with pytest.raises(HostError, match="start each with `pdflow run TOPOLOGY --host NAME`"):
+    with pytest.raises(HostError, match="start each with `pdflow run TOPOLOGY --node NAME`"):
         this_host(t, None)
     with pytest.raises(HostError, match="no such host"):
         this_host(t, "gpu9")

@@ -70,6 +70,7 @@ class LineMap:
         self._text_lines = text.splitlines()
         self._lines: dict[str, int] = {}
         self._entries: list[tuple[int, str, bool]] = []  # (line, path, is_header)
+        self._flags: dict[str, str] = {}  # key -> the command-line flag that set it
         array_counts: dict[str, int] = {}
         table = ""
         depth, open_string = 0, None
@@ -105,8 +106,23 @@ class LineMap:
         self._lines.setdefault(path, line)
         self._entries.append((line, path, is_header))
 
+    def set_by(self, key: str, flag: str) -> None:
+        """``key`` comes from the command line (``flag``), not from a line of the file."""
+        self._flags[key] = flag
+
+    def flag_of(self, key: str) -> str | None:
+        """The command-line flag that set ``key``, a parent of it or a key inside it, else None."""
+        inside = next((flag for given, flag in self._flags.items() if given.startswith(f"{key}.")), None)
+        while key:
+            if key in self._flags:
+                return self._flags[key]
+            key = parent_key(key)
+        return inside
+
     def line_of(self, key: str) -> int | None:
         """The line of ``key``, else of its closest recorded parent, else None."""
+        if self.flag_of(key) is not None:
+            return None
         while key:
             if key in self._lines:
                 return self._lines[key]

@@ -72,6 +72,9 @@ class TableReader:
         self.path, self.lines = path, lines
 
     def error(self, key: str, message: str) -> TopologyError:
+        flag = self.lines.flag_of(key)
+        if flag is not None:
+            message = f"{message} (given by {flag})"
         return TopologyError(self.path, self.lines.line_of(key), key, message)
 
     def check_keys(self, table: dict[str, Any], prefix: str, allowed: Collection[str]) -> None:

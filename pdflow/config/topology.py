@@ -49,7 +49,12 @@ from pdflow.config.pipeline import (
     free_plugin_port,
     route_tokens_through,
 )
+from pdflow.config.overrides import Override, OverrideError
+from pdflow.config.overrides import apply as apply_overrides
 from pdflow.config.toml_lines import LineMap
+from pdflow.model_files import ModelFileError
+from pdflow.model_files import describe as describe_model
+from pdflow.models import hub_id_hint
 from pdflow.config.toml_reader import TableReader, TopologyError, describe, syntax_error
 
 __all__ = ["STAGE_NAMES", "DTYPES", "Limits", "Pipeline", "TopologyError", "load_topology", "parse_topology"]
@@ -60,23 +65,37 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9_-]+")
 _WILDCARD_ADDRESSES = ("0.0.0.0", "::", "*", "[::]")
 
 
-def load_topology(path: str | Path) -> Pipeline:
+DEFAULTS_PATH = "(defaults)"  # the "file" of a topology given by command-line flags alone
+
+
+def load_topology(path: str | Path | None, overrides: list[Override] = ()) -> Pipeline:
+    """The topology of file ``path`` (None: the defaults, relative paths from the working
+    directory), with command-line ``overrides`` written over it."""
+    if path is None:
+        return parse_topology("", Path(DEFAULTS_PATH), overrides)
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise TopologyError(path, None, "(file)", f"cannot read the topology file: {reason}") from None
-    return parse_topology(text, path)
+    return parse_topology(text, path, overrides)
 
 
-def parse_topology(text: str, path: Path) -> Pipeline:
-    """Decode and check topology ``text``; ``path`` is for messages and resolving relative paths."""
+def parse_topology(text: str, path: Path, overrides: list[Override] = ()) -> Pipeline:
+    """Decode and check topology ``text``; ``path`` is for messages and resolving relative paths;
+    ``overrides`` (command-line flags) are written over the file's tables first."""
     path, lines = Path(path), LineMap(text)
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise syntax_error(path, lines, e, text) from None
+    try:
+        apply_overrides(raw, list(overrides))
+    except OverrideError as e:
+        raise TopologyError(path, None, "(command line)", str(e)) from None
+    for override in overrides:
+        lines.set_by(override.key, override.flag)
     r = TableReader(path, lines)
     r.check_keys(raw, "", ("model", "server", "control", "limits", "engine", "router", "speculative", "kv", "security",
                              "scaler", "hosts", "stages", "links"))
@@ -86,7 +105,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
     stages = _stage_tables(r, raw)
     pipeline = Pipeline(
         path=path.absolute(),
-        model=_model(r, r.table(raw, "", "model", ("source", "dtype", "served_name", "weights")), path),
+        model=_model(r, r.table(raw, "", "model", ("source", "dtype", "served_name", "weights", "max_model_len")), path),
         server=_server(r, r.table(raw, "", "server", [f.name for f in fields(ServerConfig)])),
         control=control,
         limits=_limits(r, r.table(raw, "", "limits", [f.name for f in fields(Limits)])),
@@ -104,7 +123,7 @@ def parse_topology(text: str, path: Path) -> Pipeline:
         raise r.error("links", "a colocated topology has no data-plane links (its worker keeps the KV); "
                       "remove the [[links]] tables or set engine.mode = \"disaggregated\"")
     try:
-        check_pipeline(pipeline, written=lambda key: lines.line_of(key) is not None)
+        check_pipeline(pipeline, written=lambda key: lines.line_of(key) is not None or lines.flag_of(key) is not None)
     except PipelineError as e:
         raise r.error(e.key, e.message) from None
     return pipeline
@@ -115,22 +134,36 @@ def _model(r: TableReader, t: dict[str, Any], topology_path: Path) -> ModelConfi
     dtype = r.string(t, "model", "dtype", "float32", choices=DTYPES)
     served_name = r.string(t, "model", "served_name", "")
     weights = r.string(t, "model", "weights", DEFAULT_WEIGHTS, non_empty=True)
-    is_path = "/" in source or source.startswith((".", "~"))
+    max_model_len = r.integer(t, "model", "max_model_len", 1, ge=1) if "max_model_len" in t else None
+    is_path = "/" in source or source.startswith((".", "~")) or source.lower().endswith(".gguf")
     if not is_path:
         known = known_models()
         if source not in known:
             close = difflib.get_close_matches(source, list(known), n=1)
             hint = f"did you mean '{close[0]}'? Known models: " if close else "expected one of "
             raise r.error("model.source", f"unknown model '{source}'; {hint}{', '.join(sorted(known))}, "
-                          "or a path to a local Hugging Face model directory (e.g. ./models/my-model)")
-        return ModelConfig(source, dtype, served_name or source, False, None, weights)
+                          "or a path to a GGUF file or a local Hugging Face model directory (e.g. ./models/my-model)")
+        return ModelConfig(source, dtype, served_name or source, False, None, weights, max_model_len)
     path = (topology_path.absolute().parent / Path(source).expanduser()).resolve()
-    if not path.is_dir():
-        what = "is not a directory" if path.exists() else "does not exist"
-        raise r.error("model.source", f"model directory {path} {what}")
-    if not (path / "config.json").is_file():
+    if not path.exists() and (hint := hub_id_hint(source)):
+        raise r.error("model.source", hint)
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise r.error("model.source", f"{path} is a file but not a GGUF file (*.gguf); give a GGUF file or a "
+                      "Hugging Face model directory")
+    if not path.exists():
+        raise r.error("model.source", f"{'GGUF file' if path.suffix.lower() == '.gguf' else 'model directory'} "
+                      f"{path} does not exist")
+    if path.is_dir() and not (path / "config.json").is_file():
         raise r.error("model.source", f"{path} has no config.json; expected a Hugging Face model directory")
-    return ModelConfig(source, dtype, served_name or path.name, True, path, weights)
+    try:
+        facts = describe_model(path)
+    except ModelFileError as exc:
+        raise r.error("model.source", str(exc)) from None
+    if facts.fallback_reason is not None and weights not in ("fp32", DEFAULT_WEIGHTS):
+        raise r.error("model.weights", f"weights = {weights!r} needs the compact engine, which cannot run this "
+                      f"model ({facts.fallback_reason}); use weights = \"fp32\" (the transformers fallback)")
+    name = path.stem if path.is_file() else path.name
+    return ModelConfig(source, dtype, served_name or name, True, path, weights, max_model_len)
 
 
 def _size(r: TableReader, t: dict[str, Any], table: str, name: str, default: int) -> int:
@@ -176,7 +209,7 @@ def _hosts(r: TableReader, raw: dict[str, Any]) -> dict[str, HostConfig]:
     for name in tables:
         key = f"hosts.{name}"
         if not _HOST_NAME.fullmatch(name):
-            raise r.error(key, f"a host's name is letters, digits, '-' and '_' (it is what `pdflow run --host` "
+            raise r.error(key, f"a host's name is letters, digits, '-' and '_' (it is what `pdflow run --node` "
                           f"takes), got {name!r}")
         t = r.table(tables, "hosts", name, ("address", "bind"))
         if "address" not in t:

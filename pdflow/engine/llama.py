@@ -33,25 +33,13 @@ import torch.nn.functional as F
 
 from pdflow.engine import kernels
 from pdflow.engine.weights import PackedLinear, WeightFormat
-
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+from pdflow.model_files import COMPACT_TYPES as SUPPORTED_TYPES
+from pdflow.model_files import compact_unsupported
 
 
 def unsupported_reason(config) -> str | None:
     """None if this module can run a model with ``config``, else why not."""
-    model_type = getattr(config, "model_type", "?")
-    if model_type not in SUPPORTED_TYPES:
-        return f"model type {model_type!r} (the compact engine runs {', '.join(SUPPORTED_TYPES)})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", model_type == "mistral") \
-            and window < getattr(config, "max_position_embeddings", window + 1):
-        return "sliding-window attention"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) == "dynamic":
-        return "dynamic rotary scaling"
-    return None
+    return compact_unsupported(config)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from pdflow.config.pipeline import DEFAULT_WEIGHTS
 from pdflow.engine import packed_cache
 from pdflow.engine import weights as weight_formats
-from pdflow.engine.forward import TransformersForward
+from pdflow.engine.forward import TransformersForward, check_against_own_forward
 from pdflow.engine.llama import CompactLlama, unsupported_reason
 from pdflow.kv.layout import KvLayout, torch_dtype
 
@@ -29,6 +29,7 @@ class LoadedModel:
     max_context: int
     device: torch.device
     weights: str = DEFAULT_WEIGHTS
+    vocab_size: int = 0  # the width of a row of logits
 
     @property
     def num_layers(self) -> int:
@@ -70,7 +71,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     if kept is not None and (found := packed_cache.load(kept, fmt, torch_dtype(dtype), target)) is not None:
         forward, config, eos_ids = found  # no transformers import: seconds off a stage's start
         return LoadedModel(forward, KvLayout.from_config(config, dtype), eos_ids,
-                           int(getattr(config, "max_position_embeddings", 2048)), target, weights)
+                           int(getattr(config, "max_position_embeddings", 2048)), target, weights,
+                           int(config.vocab_size))
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -90,6 +92,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
             hf_model = load_transformers_model(model_dir, dtype, device)
         config = hf_model.config
         forward, weights = TransformersForward(hf_model), "fp32"
+        check_against_own_forward(forward)  # a mismatch is an error here, not wrong text later
     return LoadedModel(
         model=forward,
         layout=KvLayout.from_config(config, dtype),
@@ -97,6 +100,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         max_context=int(getattr(config, "max_position_embeddings", 2048)),
         device=torch.device(device),
         weights=weights,
+        vocab_size=int(config.vocab_size),
     )
 
 

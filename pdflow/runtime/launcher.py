@@ -6,7 +6,7 @@ Supervision: a replica is dead when its process exits or when no heartbeat came 
 migrates (or fails) the requests that replica held; the replica is restarted (up to
 ``max_restarts`` times) and ``StageUp`` follows when it is ready again.
 
-Several hosts (the topology's ``[hosts]``): ``pdflow run topology.toml --host NAME`` on each
+Several hosts (the topology's ``[hosts]``): ``pdflow run topology.toml --node NAME`` on each
 machine starts the replicas placed there. The launcher on ``control.on``'s host supervises the
 pipeline as above, for every replica: each one, wherever it runs, reports to its endpoints. A
 host's own launcher starts, restarts and stops its replicas (only it can), tells the supervising
@@ -141,27 +141,27 @@ OPENMP_SPIN = ("GOMP_SPINCOUNT", "300000")
 
 
 class HostError(ValueError):
-    """``--host`` does not fit the topology (no such host, or one needed and not given)."""
+    """``--node`` does not fit the topology (no such host, or one needed and not given)."""
 
 
 def this_host(topology: Pipeline, host: str | None) -> str:
-    """The name of the machine a launcher runs on: ``host`` (``--host``), checked, or the only one
+    """The name of the machine a launcher runs on: ``host`` (``--node``), checked, or the only one
     a pipeline uses; "" in a one-host pipeline without ``[hosts]``."""
     hosts = topology.hosts
     if not hosts:
         if host:
-            raise HostError(f"--host {host}: the topology has no [hosts] tables, so it runs on this machine alone")
+            raise HostError(f"--node {host}: the topology has no [hosts] tables, so it runs on this machine alone")
         return ""
     if host is None:
         if topology.multi_host:
             used = sorted({topology.host_name_of(*r) for r in topology.replicas()} | {topology.control.on})
             raise HostError(f"the topology places replicas on hosts {', '.join(used)}: start each with "
-                            "`pdflow run TOPOLOGY --host NAME` on that machine")
+                            "`pdflow run TOPOLOGY --node NAME` on that machine")
         return topology.control.on
     if host not in hosts:
-        raise HostError(f"--host {host}: no such host in the topology; its hosts are {', '.join(hosts)}")
+        raise HostError(f"--node {host}: no such host in the topology; its hosts are {', '.join(hosts)}")
     if host != topology.control.on and not topology.replicas(host):
-        raise HostError(f"--host {host}: the topology places no replica there, and the launcher that supervises "
+        raise HostError(f"--node {host}: the topology places no replica there, and the launcher that supervises "
                         f"runs on {topology.control.on} (control.on)")
     return host
 
@@ -186,7 +186,7 @@ class Launcher(ScalingLauncher):
         self.backend = backend
         if backend == "ray":
             if host is not None:
-                raise HostError("--host is for the process backend; with Ray, the driver places every replica")
+                raise HostError("--node is for the process backend; with Ray, the driver places every replica")
             self.host = topology.control.on
         else:
             self.host = this_host(topology, host)
@@ -576,7 +576,7 @@ def run(pipeline: Pipeline, *, log_format: str = "console", log_level: str = "in
     What ``pdflow run topology.toml`` does, for a pipeline built in code. The pipeline is checked
     first (PipelineError), its secret and API key read (SecretError), and the model is pulled on
     first use. ``api_key``: the key HTTP clients must send (else the topology's, if any);
-    ``host``: which of the pipeline's hosts this machine is (``pdflow run --host``; HostError);
+    ``host``: which of the pipeline's hosts this machine is (``pdflow run --node``; HostError);
     ``backend``: "process", or "ray" (replicas as actors of the Ray cluster at ``ray_address``).
     """
     import uvloop

@@ -15,7 +15,7 @@ custom resource named ``NAME`` (``ray start --resources '{"NAME": 1}'``); each r
 on it asks for a sliver of that resource (and no CPU of Ray's accounting: a stage's ``cores``
 pin it within the node). Without ``[hosts]``, Ray places the replicas where it likes, which on
 a one-node cluster is the only node (their addresses are the stages' ``host``). The nodes reach
-each other at the hosts' ``address`` as with ``--host`` (docs/design.md, "Several hosts").
+each other at the hosts' ``address`` as with ``--node`` (docs/design.md, "Several hosts").
 
 Each actor resolves the model on its own node (pulling it into that node's cache if missing),
 and takes its replica's keys as an argument, which Ray keeps in its object store within the

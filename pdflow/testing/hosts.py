@@ -1,6 +1,6 @@
 """A pipeline over several hosts on one machine: each host a network namespace
 (:class:`~pdflow.testing.netns.Namespaces`), each started by its own ``pdflow run topology.toml
---host NAME`` in that namespace, as an operator would on each machine. What the multi-host tests
+--node NAME`` in that namespace, as an operator would on each machine. What the multi-host tests
 and ``scripts/experiment_hosts.py`` share.
 
     with Namespaces(["head", "gpu1"], bandwidth="10gbit") as net:
@@ -94,7 +94,7 @@ class Cluster:
     def start(self, host: str) -> None:
         log = open(self.workdir / f"{host}.log", "ab")
         pdflow = str(Path(sys.executable).parent / "pdflow")
-        self.launchers[host] = self.net.popen(host, [pdflow, "run", str(self.path), "--host", host],
+        self.launchers[host] = self.net.popen(host, [pdflow, "run", str(self.path), "--node", host],
                                               stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self, host: str) -> None:

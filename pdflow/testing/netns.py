@@ -5,7 +5,7 @@ network. Needs root and iproute2; :func:`unavailable` says why not where they ar
 
     with Namespaces(["head", "gpu1"], bandwidth="10gbit") as net:
         net.address("gpu1")          # "10.77.0.2"
-        proc = net.popen("gpu1", [".venv/bin/pdflow", "run", "topology.toml", "--host", "gpu1"])
+        proc = net.popen("gpu1", [".venv/bin/pdflow", "run", "topology.toml", "--node", "gpu1"])
 
 Every namespace, veth and bridge carries a prefix unique to the instance (and its process id),
 and all are removed on exit, also after an error; processes started with :meth:`popen` are

@@ -216,10 +216,12 @@ class PdflowServer:
                  kv: dict | None = None, api_key: str | None = None, server: dict | None = None,
                  egress: bool = False, codec: str = "none", decode_link_options: dict | None = None,
                  decode_codec: str | None = None, decode_codec_options: dict | None = None,
-                 topology: Callable[[int], str] | None = None, ports: int = _PORTS, heartbeat_timeout_s: float = 10):
+                 topology: Callable[[int], str] | None = None, ports: int = _PORTS, heartbeat_timeout_s: float = 10,
+                 args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         """``topology(base)``: the topology's text on ports ``base`` .. ``base + ports - 1``
         (its server on ``base``; ``[security] secret_env = SECRET_ENV``), instead of
-        :func:`topology_text`'s from the other settings."""
+        :func:`topology_text`'s from the other settings. ``args``: more flags of `pdflow run`
+        (``--model ...``); ``env``: more environment variables."""
         from pdflow.security.keys import new_secret
 
         self.workdir = workdir
@@ -238,12 +240,14 @@ class PdflowServer:
         self.log_path = workdir / "pdflow.log"
         self.startup_timeout_s = startup_timeout_s
         self.log_format = log_format
+        self.args, self.env = tuple(args), dict(env or {})
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "PdflowServer":
         self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "pdflow.cli", "run", str(self.topology), "--log-format", self.log_format]
-        env = {**os.environ, SECRET_ENV: self.secret.hex()}
+        cmd = [sys.executable, "-m", "pdflow.cli", "run", str(self.topology), "--log-format", self.log_format,
+               *self.args]
+        env = {**os.environ, SECRET_ENV: self.secret.hex(), **self.env}
         env.pop("PDFLOW_API_KEY", None)
         if self.api_key:
             env["PDFLOW_API_KEY"] = self.api_key
