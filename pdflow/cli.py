@@ -147,6 +147,8 @@ BENCHES = {
     "kv-codecs": ("kv_codecs", "each KV codec's bytes per token, quality cost (agreement, KL, perplexity) and speed"),
     "kv-heads": ("kv_heads", "how much each kv head matters (the head-prune codec's importance file)"),
     "speculative": ("speculative", "decoding with and without speculation on quoting and free-form workloads"),
+    "output-api": ("output_api", "TPOT with logprobs and with a JSON schema beside plain requests"),
+    "lm-eval": ("harness", "lm-evaluation-harness scoring the served model beside its own HF backend, per KV codec"),
 }
 
 

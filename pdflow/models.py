@@ -182,7 +182,8 @@ def hub_id_hint(source: str) -> str | None:
     if len(parts) != 2 or not all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", part) for part in parts):
         return None
     local = f"./models/{parts[1]}"
-    return (f"{source!r} looks like a Hugging Face hub id; pdflow does not download from a hub. Fetch it "
+    return (f"{source!r} is no file or directory here, and looks like a Hugging Face hub id: pdflow does not "
+            f"download from a hub. Fetch it "
             f"where a hub is reachable (`huggingface-cli download {source} --local-dir {local}`, or a GGUF "
             f"file of it) and set [model] source = \"{local}\" (or the .gguf file's path)")
 

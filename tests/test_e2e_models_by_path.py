@@ -17,7 +17,8 @@ from pdflow.testing.server import PdflowServer
 from pdflow.testing.tiny_gguf import tiny_model, write_gguf
 
 pytestmark = pytest.mark.e2e
-PROMPT = [1, 504, 2770, 13, 9906, 288, 7053, 30]  # token ids
+VOCAB = 1024  # the default model's first 1,024 tokens and the merges among them
+PROMPT = [1, 504, 770, 13, 906, 288, 705, 30]  # token ids
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def tokenizer(model_dir):
 
 @pytest.mark.parametrize("arch,mode", [("qwen2", "disaggregated"), ("llama", "colocated")])
 def test_a_gguf_file_is_served_with_transformers_greedy_output(arch, mode, model_dir, tokenizer, tmp_path):
-    model = tiny_model(arch, len(tokenizer), seed=3)
+    model = tiny_model(arch, VOCAB, seed=3)
     gguf_file = write_gguf(model, model_dir, tmp_path / f"tiny-{arch}.gguf")
     with torch.no_grad():
         reference = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None,
@@ -57,7 +58,7 @@ def _validate(*args: str) -> subprocess.CompletedProcess[str]:
 def test_validate_names_the_architecture_and_the_engine_and_refuses_what_cannot_run(model_dir, tokenizer, tmp_path):
     import gguf
 
-    quantized = write_gguf(tiny_model("qwen2", len(tokenizer)), model_dir, tmp_path / "q8.gguf", quantized=True)
+    quantized = write_gguf(tiny_model("qwen2", VOCAB), model_dir, tmp_path / "q8.gguf", quantized=True)
     result = _validate("--model", str(quantized))
     assert result.returncode == 0, result.stderr
     assert "architecture: qwen2, compact engine; tensors F32, Q8_0" in result.stdout

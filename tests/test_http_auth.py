@@ -16,7 +16,7 @@ from pdflow.serving.metrics import ServingMetrics
 
 def _app(api_key: str | None) -> TestClient:
     ingress = types.SimpleNamespace(
-        api_key=api_key, pipeline=Pipeline.default(), served_name="smollm2", max_context=8192, down=set(),
+        api_key=api_key, pipeline=Pipeline.default(), served_name="smollm2", max_context=8192, vocab_size=49152, down=set(),
         stage_status={}, accepting=True, requests={}, timelines={})
     ingress.metrics = ServingMetrics(ingress)
     return TestClient(build_app(ingress))
@@ -32,6 +32,8 @@ def test_with_a_key_every_api_route_wants_it_and_health_stays_open():
     assert client.get("/v1/models", headers={"Authorization": "s3cret-key"}).status_code == 401  # not a bearer
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401  # before the body is read
     assert client.get("/debug/timeline/x").status_code == 401
+    assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
+    assert client.post("/detokenize", json={"tokens": [1]}).status_code == 401
     assert client.get("/metrics").status_code == 401
     assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
     assert client.get("/health").status_code in (200, 503)  # open: for load balancers
@@ -39,7 +41,7 @@ def test_with_a_key_every_api_route_wants_it_and_health_stays_open():
     assert "s3cret-key" not in refused.text
     metrics = client.get("/metrics", headers={"Authorization": "Bearer s3cret-key"})
     assert metrics.status_code == 200
-    assert 'pdflow_http_refusals_total{status="401"} 6.0' in metrics.text  # the refusals above, counted
+    assert 'pdflow_http_refusals_total{status="401"} 8.0' in metrics.text  # the refusals above, counted
 
 
 def test_without_a_key_the_api_is_open():

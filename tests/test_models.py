@@ -272,3 +272,22 @@ def test_real_model_knows_paris(smollm2):
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     text = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+def test_a_hub_id_says_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="huggingface-cli download Qwen/Qwen2.5-0.5B --local-dir ./models/Qwen2.5-0.5B"):
+        resolve("Qwen/Qwen2.5-0.5B")
+
+
+def test_a_gguf_is_named_by_its_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "m.gguf", tmp_path / "copy" / "m.gguf"
+    b.parent.mkdir()
+    a.write_bytes(b"GGUF" + bytes(range(256)) * 100)
+    b.write_bytes(a.read_bytes())
+    same = models.file_identity(a)
+    assert same == models.file_identity(b) and models.gguf_dir(a, same) == models.gguf_dir(b, same)
+    b.write_bytes(a.read_bytes() + b"x")
+    assert models.file_identity(b) != same
+    assert models.gguf_dir(a, same).parent == tmp_path / "cache" / "models" / "gguf"

@@ -120,13 +120,20 @@ def test_a_store_codec() -> None:
 def test_local_model_directory(tmp_path: Path) -> None:
     model = tmp_path / "models" / "tiny-llama"
     model.mkdir(parents=True)
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "llama"}')
     file = tmp_path / "topology.toml"
     file.write_text('[model]\nsource = "./models/tiny-llama/"\ndtype = "bfloat16"\n')
+    with pytest.raises(TopologyError, match="model.source: .*tiny-llama has no tokenizer"):
+        load_topology(file)
+    (model / "tokenizer.json").write_text("{}")
     t = load_topology(file)
     assert (t.model.is_path, t.model.path, t.model.served_name) == (True, model.resolve(), "tiny-llama")
     file.write_text(f'[model]\nsource = "{model}"\nserved_name = "tiny"\n')
     assert load_topology(file).model.served_name == "tiny"
+    (model / "config.json").write_text('{"model_type": "mistral", "sliding_window": 16, "max_position_embeddings": 64}')
+    file.write_text(f'[model]\nsource = "{model}"\nweights = "int8"\n')
+    with pytest.raises(TopologyError, match="model.weights: .*sliding-window attention.*fp32"):
+        load_topology(file)
 
 
 BAD_FILES = [

@@ -5,7 +5,8 @@ taken from its ``tokenizer.json``.
 
 ``write_gguf`` writes float32 tensors, or Q8_0 for the 2-D weights (``quantized``), with the
 metadata transformers' GGUF reader needs: the architecture's hyper-parameters, and the tokenizer
-(``tokenizer.ggml.*``: tokens, types, merges, special ids, chat template).
+(``tokenizer.ggml.*``: tokens, types, merges, special ids, chat template), cut to the model's
+vocabulary (its first ids and the merges among them: a small vocabulary converts in a second).
 """
 
 from __future__ import annotations
@@ -95,7 +96,10 @@ def _add_tokenizer(writer, tokenizer_dir: Path, vocab_size: int) -> None:
         if i < vocab_size:
             tokens[i] = text
     types = [3 if tokens[i] in special else 1 for i in range(vocab_size)]
+    kept = set(tokens)  # a vocabulary cut to its first ids keeps the merges within it: still a BPE
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    merges = [m for m in merges if (pair := m.split(" ", 1)) and pair[0] in kept and pair[-1] in kept
+              and "".join(pair) in kept]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
