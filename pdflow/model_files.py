@@ -7,7 +7,8 @@ will run it, or why it cannot run. Torch-free (``pdflow validate`` reads only me
 
 The compact engine (:mod:`pdflow.engine.llama`) runs llama, mistral and qwen2 models with SiLU,
 full attention and plain rotary embeddings; anything else transformers can run goes to the
-transformers fallback, which is checked against the model's own forward at load.
+transformers fallback, which is checked against the model's own forward at load. Refused: a
+sliding window (neither engine masks it), and a GGUF's rotary scaling.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ class ModelFileError(ValueError):
     """The model at this path cannot run; the message says why."""
 
 
+def _refused(reason: str | None) -> None:
+    """What no engine of pdflow runs right: pdflow gives the fallback's layers its own attention
+    masks (plain causal), so a sliding window would silently attend too far."""
+    if reason is not None and reason.startswith("sliding-window"):
+        raise ModelFileError(f"{reason}: neither the compact engine nor the transformers fallback (which pdflow "
+                             "gives plain causal masks) runs it")
+
+
 def describe_dir(path: Path) -> ModelFacts:
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -69,8 +78,9 @@ def describe_dir(path: Path) -> ModelFacts:
         raise ModelFileError(f"{path / 'config.json'} cannot be read: {exc}") from None
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ModelFileError(f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
-    settings = _Settings(config)
-    return ModelFacts(str(config.get("model_type", "?")), compact_unsupported(settings))
+    reason = compact_unsupported(_Settings(config))
+    _refused(reason)
+    return ModelFacts(str(config.get("model_type", "?")), reason)
 
 
 def describe_gguf(path: Path) -> ModelFacts:
@@ -105,8 +115,10 @@ def describe_gguf(path: Path) -> ModelFacts:
     scaling = field(f"{arch}.rope.scaling.type", "none")
     settings = _Settings({"model_type": model_type, "sliding_window": window, "use_sliding_window": bool(window)})
     reason = compact_unsupported(settings)
-    if reason is None and scaling not in ("none", None):
-        reason = f"rotary scaling {scaling!r}"
+    _refused(reason)
+    if scaling not in ("none", None):
+        raise ModelFileError(f"rotary scaling {scaling!r} ({arch}.rope.scaling.type): the compact engine does "
+                             "plain rotary embeddings only")
     return ModelFacts(model_type, reason, f"tensors {', '.join(types)}")
 
 

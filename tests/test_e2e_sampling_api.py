@@ -32,6 +32,17 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def ingress_server(request):
+    """For what ingress alone does (fan-out, streams, refusals, tokenizing): one design suffices."""
+    return shared_server(request, "disaggregated")
+
+
+@pytest.fixture(scope="module")
+def ingress_client(ingress_server):
+    return openai.OpenAI(base_url=f"{ingress_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def test_chat_logprobs_and_top_logprobs(client):
     reply = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=8,
                                            logprobs=True, top_logprobs=3)
@@ -87,7 +98,8 @@ def test_n_choices_share_the_prompt_kv_and_each_seed_repeats(client, server):
     assert [c.message.content for c in again.choices] == texts
 
 
-def test_several_prompts_with_n(client):
+def test_several_prompts_with_n(ingress_client):
+    client = ingress_client
     reply = client.completions.create(model="smollm2", prompt=["One, two,", [32, 28, 331, 28]], max_tokens=4,
                                       temperature=0, n=2)
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]
@@ -97,7 +109,8 @@ def test_several_prompts_with_n(client):
     assert reply.usage.prompt_tokens == single.usage.prompt_tokens + 4  # each prompt counted once
 
 
-def test_streamed_choices_equal_the_whole_answers(client):
+def test_streamed_choices_equal_the_whole_answers(ingress_client):
+    client = ingress_client
     whole = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=8, n=2,
                                            logprobs=True)
     stream = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=8, n=2,
@@ -172,13 +185,15 @@ def test_json_schema_output_validates_every_time(client):
     ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
     ({"extra_body": {"echo": True}}, "echo"),
 ])
-def test_fields_not_honoured_are_refused_naming_them(client, fields: dict, param: str):
+def test_fields_not_honoured_are_refused_naming_them(ingress_client, fields: dict, param: str):
+    client = ingress_client
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="smollm2", messages=FRANCE, max_tokens=4, **fields)
     assert info.value.body["param"] == param
 
 
-def test_tokenize_and_detokenize(client, server):
+def test_tokenize_and_detokenize(ingress_client, ingress_server):
+    client, server = ingress_client, ingress_server
     reply = client.chat.completions.create(model="smollm2", messages=FRANCE, max_tokens=1)
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": FRANCE}, timeout=30).json()
     assert chat["count"] == len(chat["tokens"]) == reply.usage.prompt_tokens and chat["max_model_len"] > 0

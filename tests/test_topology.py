@@ -130,9 +130,13 @@ def test_local_model_directory(tmp_path: Path) -> None:
     assert (t.model.is_path, t.model.path, t.model.served_name) == (True, model.resolve(), "tiny-llama")
     file.write_text(f'[model]\nsource = "{model}"\nserved_name = "tiny"\n')
     assert load_topology(file).model.served_name == "tiny"
-    (model / "config.json").write_text('{"model_type": "mistral", "sliding_window": 16, "max_position_embeddings": 64}')
+    (model / "config.json").write_text('{"model_type": "gemma", "max_position_embeddings": 64}')
     file.write_text(f'[model]\nsource = "{model}"\nweights = "int8"\n')
-    with pytest.raises(TopologyError, match="model.weights: .*sliding-window attention.*fp32"):
+    with pytest.raises(TopologyError, match="model.weights: .*model type 'gemma'.*fp32"):
+        load_topology(file)
+    (model / "config.json").write_text('{"model_type": "mistral", "sliding_window": 16, "max_position_embeddings": 64}')
+    file.write_text(f'[model]\nsource = "{model}"\n')
+    with pytest.raises(TopologyError, match="model.source: sliding-window attention: neither"):
         load_topology(file)
 
 

@@ -7,7 +7,8 @@ for this benchmark), in two parts:
 - ``pdflow_facts_mc``: multiple choice by loglikelihood, sent by lm-eval's ``local-completions``
   (``echo`` with prompt logprobs, token ids as the prompt), scored ``acc`` / ``acc_norm``;
 - ``pdflow_facts_gen``: the answer generated (greedy, at most 8 tokens) by lm-eval's
-  ``local-chat-completions``, scored by exact match (case and punctuation ignored).
+  ``local-chat-completions``, its last word scored by exact match (case and punctuation ignored:
+  the model tends to answer "The capital of France is Paris.").
 
 lm-eval's ``hf`` backend runs both on the same model directory, in float32; pdflow serves it with
 ``weights = "fp32"`` (so that loglikelihoods can agree to the last digits) through each codec of
@@ -57,10 +58,10 @@ generation_kwargs:
   do_sample: false
   temperature: 0
 filter_list:
-  - name: first-word
+  - name: last-word
     filter:
       - function: regex
-        regex_pattern: "([A-Za-z-]+)"
+        regex_pattern: "([A-Za-z][A-Za-z-]*)[^A-Za-z]*$"
       - function: take_first
 metric_list:
   - metric: exact_match

@@ -2,7 +2,8 @@
 
 One `pdflow run` of the default topology (or ``--topology``); the same chat requests, streamed,
 sent plain, with ``logprobs`` and ``top_logprobs: 5``, and with a ``response_format`` JSON schema,
-the three kinds interleaved round by round (so that drift on the machine falls on all three
+the three kinds interleaved round by round (the schema's story is at least 600 characters long,
+so that guided answers run to ``max_tokens`` as the others do with ``ignore_eos``) (so that drift on the machine falls on all three
 alike), ``--concurrency`` requests at a time. TPOT is a request's (last token - first token) /
 (tokens - 1) from the stream's arrival times; printed: each kind's median TPOT and its ratio to
 the plain requests' from the same run. Every reply goes through the official openai client's
@@ -22,7 +23,7 @@ from pathlib import Path
 
 DESCRIPTION = __doc__
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "story"],
-          "properties": {"title": {"type": "string", "maxLength": 40}, "story": {"type": "string"}}}
+          "properties": {"title": {"type": "string", "maxLength": 40}, "story": {"type": "string", "minLength": 600}}}
 KINDS = {
     "plain": {},
     "logprobs 5": {"logprobs": True, "top_logprobs": 5},
