@@ -362,7 +362,7 @@ class KvShuttleStage(Stage):
 
     def _fetch_peer(self, entry: _Entry) -> int | None:
         """The replica of this stage that ingress says holds more of the prompt's prefix, if any."""
-        peer = entry.route.fetch_from.get(self.ctx.stage) if self.reuse else None
+        peer = entry.route.fetch_from.get(self.ctx.stage) if self.reuse and entry.request.reuse_prefix else None
         replicas = self.pipeline.stages[self.ctx.stage].replicas
         return peer if isinstance(peer, int) and 0 <= peer < replicas and peer != self.replica else None
 
