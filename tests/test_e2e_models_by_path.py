@@ -6,7 +6,6 @@ transformers' own model. Also what `pdflow validate` says of a GGUF, and what it
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import numpy as np
 import openai
@@ -50,13 +49,20 @@ def test_a_gguf_file_is_served_with_transformers_greedy_output(arch, mode, model
     assert len(converted) == 1 and (converted[0] / "config.json").is_file()
 
 
-def _validate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdflow.cli", "validate", *args], capture_output=True, text=True,
-                          timeout=120)
-
-
-def test_validate_names_the_architecture_and_the_engine_and_refuses_what_cannot_run(model_dir, tokenizer, tmp_path):
+def test_validate_names_the_architecture_and_the_engine_and_refuses_what_cannot_run(model_dir, tokenizer, tmp_path,
+                                                                                     capsys):
     import gguf
+
+    from pdflow import cli
+
+    def _validate(*args: str) -> subprocess.CompletedProcess[str]:
+        """`pdflow validate` in this process (its imports are loaded already)."""
+        try:
+            code = cli.main(["validate", *args])
+        except SystemExit as exc:
+            code = exc.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
 
     quantized = write_gguf(tiny_model("qwen2", VOCAB), model_dir, tmp_path / "q8.gguf", quantized=True)
     result = _validate("--model", str(quantized))
