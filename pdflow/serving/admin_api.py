@@ -31,6 +31,7 @@ from pdflow.serving.openai_protocol import (
     CompletionRequest,
     exactly_one,
     parse_body,
+    template_messages,
 )
 from pdflow.serving.openapi import ERRORS
 
@@ -72,8 +73,7 @@ def install_admin(app: FastAPI, ingress, read: Callable[[Request], Awaitable[byt
         if req.all:
             prompt_ids = None
         elif req.messages is not None:
-            prompt_ids = await ingress.prompts.chat_messages([{"role": m.role, "content": m.content or ""}
-                                                            for m in req.messages])
+            prompt_ids = await ingress.prompts.chat_messages(template_messages(req.messages))
         else:
             prompts = parse_body(CompletionRequest, msgspec.json.encode({"prompt": req.prompt})).prompts()
             if len(prompts) != 1:

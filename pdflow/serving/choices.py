@@ -23,7 +23,14 @@ from pdflow.guides import guide_error
 from pdflow.messages import RequestFailed, SamplingParams, TextDelta, TokenLogprob
 from pdflow.serving.closing_stream import ClosingStreamingResponse
 from pdflow.serving.logprobs_format import CompletionLogprobs, chat_logprobs, joined
-from pdflow.serving.openai_protocol import SEED_MAX, ApiError, ChatCompletionRequest, CompletionRequest, sampling_from
+from pdflow.serving.openai_protocol import (
+    SEED_MAX,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    sampling_from,
+)
 from pdflow.serving.openai_responses import (
     chat_choice,
     chat_chunk,
@@ -222,8 +229,7 @@ async def _stream(ingress, request_id: str, choices: list[Choice], prompts: list
         while finished < len(choices):
             choice, item = await arrived.get()
             if isinstance(item, ApiError):
-                yield sse({"error": {"message": item.message, "type": item.type, "param": item.param,
-                                     "code": item.code}})
+                yield sse(error_body(item))
                 return
             echo = not chat and bool(choice.echo) and choice.last is None
             choice.add(item)

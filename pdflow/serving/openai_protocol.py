@@ -238,6 +238,11 @@ def _message_schema(schema: dict[str, Any]) -> None:
     schema.update({"title": "ChatMessage", "oneOf": [message(["system", "user"], False), message(["assistant"], True)]})
 
 
+def template_messages(messages: "list[ChatMessage]") -> list[dict[str, str]]:
+    """Messages as ``apply_chat_template`` expects them (content always a string)."""
+    return [{"role": m.role, "content": m.content or ""} for m in messages]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_message_schema)
 
@@ -299,7 +304,7 @@ class ChatCompletionRequest(_Request):
 
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as ``apply_chat_template`` expects them (content always a string)."""
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+        return template_messages(self.messages)
 
 
 Prompt = str | list[int]

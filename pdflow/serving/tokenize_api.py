@@ -15,7 +15,7 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdflow.serving.openai_protocol import SERVED_MODEL, VOCAB_ID, ApiError, ChatMessage, exactly_one, parse_body
+from pdflow.serving.openai_protocol import SERVED_MODEL, VOCAB_ID, ApiError, ChatMessage, exactly_one, parse_body, template_messages
 from pdflow.serving.openapi import ERRORS
 
 
@@ -69,8 +69,7 @@ def install(app: FastAPI, ingress, read: Callable[[Request], Awaitable[bytes]]) 
         req = parse_body(TokenizeRequest, await read(request))
         check_model(req.model)
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-            ids = await ingress.prompts.chat_messages(messages, req.add_generation_prompt)
+            ids = await ingress.prompts.chat_messages(template_messages(req.messages), req.add_generation_prompt)
         else:
             ids = await ingress.prompts.completion(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = [ingress.token_texts(t) for t in ids] if req.return_token_strs else None
