@@ -140,6 +140,26 @@ def test_guided_sampling_from_random_logits_always_validates(samplers, seed: int
     jsonschema.validate(json.loads(tokenizer.decode(out)), SCHEMA)
 
 
+def test_a_guides_mask_forbids_exactly_the_tokens_its_matcher_refuses(samplers) -> None:
+    """The unpacked bitmask, token by token, against the grammar engine's own verdict on each,
+    along a random walk through the grammar (a bit or byte order slip would let some token
+    through or forbid an allowed one)."""
+    factory, tokenizer = samplers
+    guide = factory.make(SamplingParams(guide=guide_text("json_schema", SCHEMA), **GREEDY)).guide
+    gen = torch.Generator().manual_seed(7)
+    for step in range(12):
+        scores = torch.zeros(len(tokenizer))
+        guide.mask(scores)
+        allowed = torch.isfinite(scores)
+        assert 0 < int(allowed.sum()) < len(tokenizer)
+        if step % 4 == 0:
+            picks = torch.cat([allowed.nonzero()[:100, 0], (~allowed).nonzero()[::211, 0]])
+            for token in picks.tolist():
+                assert (guide.matcher.validate_tokens([token]) == 1) == bool(allowed[token]), (step, token)
+        choice = allowed.nonzero()[:, 0]
+        guide.accept(int(choice[torch.randint(len(choice), (1,), generator=gen)]))
+
+
 def test_a_guide_resumes_past_the_tokens_already_chosen(samplers) -> None:
     """Decode's guide starts after the token prefill chose: its mask must match the whole run's."""
     factory, tokenizer = samplers
