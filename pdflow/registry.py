@@ -28,11 +28,19 @@ def import_target(target: str) -> Any:
 class Registry:
     """The implementations of one plug-in kind: built-ins, entry points, and ``module:Class``."""
 
-    def __init__(self, kind: str, group: str, base: type, builtin: dict[str, tuple[str, str]]):
-        self.kind, self.group, self.base = kind, group, base
+    def __init__(self, kind: str, group: str, base: type | str, builtin: dict[str, tuple[str, str]]):
+        """``base``: the class every implementation derives from, or its ``"module:Class"``
+        name (imported at the first lookup, so that a registry imports nothing of its kind)."""
+        self.kind, self.group, self._base = kind, group, base
         self.builtin = builtin  # name -> ("module:Class", install hint)
         self._found: dict[str, type | str] = {}
         self._entry_points: dict[str, importlib.metadata.EntryPoint] | None = None
+
+    @property
+    def base(self) -> type:
+        if isinstance(self._base, str):
+            self._base = import_target(self._base)
+        return self._base
 
     def entry_points(self) -> dict[str, importlib.metadata.EntryPoint]:
         if self._entry_points is None:

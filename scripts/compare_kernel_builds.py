@@ -1,7 +1,7 @@
 """Time int4-a16 products (one row, or ``--rows`` rows: a verify pass of speculative decoding) of SmolLM2's layer shapes in this checkout's kernels against
 another build of qgemm.c (e.g. one compiled from an earlier commit), alternating in one process.
 
-    git show OLD:pdflow/engine/kernels/qgemm.c > /tmp/old.c
+    git show OLD:pdflow/kernels/qgemm.c > /tmp/old.c
     gcc -O3 -march=native -fopenmp -shared -fPIC -o /tmp/old.so /tmp/old.c -lm
     .venv/bin/python scripts/compare_kernel_builds.py /tmp/old.so
 
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from pdflow.engine import kernels
+from pdflow import kernels
 from pdflow.engine.weights import registry
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) of a SmolLM2 layer

@@ -92,7 +92,7 @@ def main() -> int:
 
 def _by_path(product, x, n: int) -> str:
     """For int4-a16-blocked: each kernel path's time for the same product (the same results)."""
-    from pdflow.engine import kernels
+    from pdflow import kernels
     from pdflow.engine.weights.formats import _Blocked
 
     lib = kernels.library()

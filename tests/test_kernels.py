@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdflow.engine import kernels
+from pdflow import kernels
 
 PROBE = textwrap.dedent("""
     import torch
-    from pdflow.engine import kernels
+    from pdflow import kernels
     from pdflow.engine.weights import registry
     lib = kernels.library()
     packed = registry.load("int4")().pack(torch.ones(32, 64))

@@ -95,7 +95,7 @@ def test_a_chunk_decodes_where_it_landed(name, params, kind):
 @pytest.mark.parametrize(("name", "params"), QUANTIZED, ids=QUANTIZED_IDS)
 @pytest.mark.parametrize("kind", [KEYS, VALUES])
 def test_the_kernels_give_the_bytes_of_the_pytorch_reference(name, params, kind):
-    from pdflow.engine import kernels
+    from pdflow import kernels
 
     if kernels.library() is None:
         pytest.skip(kernels.unavailable_reason())

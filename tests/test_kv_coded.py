@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdflow import transports
-from pdflow.kv.checksum import checksum
+from pdflow.transports.checksum import checksum
 from pdflow.kv.chunks import header as chunk_header
 from pdflow.kv.codecs import codec
 from pdflow.kv.coded import CodedTransport

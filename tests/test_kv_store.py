@@ -10,7 +10,7 @@ import torch
 
 from pdflow.kv.arena import ArenaLayout, Run, runs
 from pdflow.kv.blocks import BlockHasher
-from pdflow.kv.checksum import checksum
+from pdflow.transports.checksum import checksum
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
 from pdflow.kv.outcomes import Corrupted, Miss, Outcome, VersionMismatch
 from pdflow.kv.store import KvStore, StoreFull

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdflow import Pipeline, PipelineError, Stage
+from pdflow.config.checks import check_pipeline
 from pdflow.config.topology import TopologyError, parse_topology
 from pdflow.messages import (
     ALL_MESSAGES,
@@ -25,6 +26,7 @@ from pdflow.messages import (
 )
 from pdflow.routing import ReplicaStatus, RoutingRequest, create
 from pdflow.routing import registry as routers
+from pdflow.runtime.kinds import message_types
 from pdflow.runtime.memory_bus import MemoryHub
 from pdflow.runtime.requests import RequestTable, TableLimits
 from pdflow.runtime.stage import StageContext
@@ -44,7 +46,7 @@ def test_with_stage_splices_into_an_output_and_survives_pickling():
     assert p.stages["redact"].outputs == {"text": "ingress"}
     assert p.stages["redact"].port not in {s.port for n, s in p.stages.items() if n != "redact"}
     assert list(p.stages)[-1] == "redact"
-    p.check()
+    check_pipeline(p)
     assert pickle.loads(pickle.dumps(p)) == p
     with pytest.raises(PipelineError, match="no output 'txt'"):
         Pipeline.default().with_egress().with_stage("x", "pdflow.stages.egress:EgressStage", after="egress",
@@ -55,7 +57,8 @@ def test_an_egress_stage_takes_the_tokens_only_where_wired_to():
     """By default ingress detokenizes (no egress stage); ``with_egress`` and a TOML
     ``[stages.egress]`` send the token producers' tokens to one, keeping any output written."""
     assert "egress" not in Pipeline.default().stages and "egress" not in Pipeline.default("colocated").stages
-    colocated = Pipeline.default("colocated").with_egress().check()
+    colocated = Pipeline.default("colocated").with_egress()
+    check_pipeline(colocated)
     assert colocated.stages["worker"].outputs == {"tokens": "egress"}
     assert colocated.stages["egress"].outputs == colocated.stages["ingress"].outputs == {"stop": "worker"}
     p = parse_topology('[stages.egress]\n[stages.prefill]\noutputs = { tokens = "ingress" }\n', Path("t.toml"))
@@ -70,10 +73,10 @@ def test_an_egress_stage_takes_the_tokens_only_where_wired_to():
 def test_checks_name_the_key_in_code_and_file_line_key_in_toml(tmp_path):
     bad = Pipeline.default().with_egress().with_stage_config("egress", outputs={"text": "nowhere"})
     with pytest.raises(PipelineError) as e:
-        bad.check()
+        check_pipeline(bad)
     assert e.value.key == "stages.egress.outputs.text" and "'nowhere'" in str(e.value)
     with pytest.raises(PipelineError, match="router.policy"):
-        Pipeline.default().with_router("no_such_router").check()
+        check_pipeline(Pipeline.default().with_router("no_such_router"))
     text = "\n".join(["[stages.redact]", 'kind = "no.such.module:Stage"', "[router]", 'policy = "least_loaded"'])
     with pytest.raises(TopologyError) as e:
         parse_topology(text + "\n", tmp_path / "t.toml")
@@ -129,7 +132,7 @@ def test_stage_and_router_from_entry_points(tmp_path, monkeypatch):
         router = create("first")
         assert router.route("decode", RoutingRequest("r", [1]), [ReplicaStatus(0, False), ReplicaStatus(1)]) == 1
         p = Pipeline.default().with_stage("g", "gate").with_router("first")
-        p.check()
+        check_pipeline(p)
     finally:
         sys.modules.pop("thirdparty", None)
         stages.refresh()
@@ -195,7 +198,7 @@ class _Echo(Stage):
 
 async def test_stage_on_a_memory_bus_fails_a_request_whose_handler_raises(tmp_path):
     pipeline = Pipeline.default().with_stage("echo", _Echo)
-    hub = MemoryHub({"ingress": 1, "echo": 1}, pipeline.message_types())
+    hub = MemoryHub({"ingress": 1, "echo": 1}, message_types(pipeline))
     stage = _Echo(StageContext(pipeline, "echo", 0, tmp_path), hub.bus("echo"))
     ingress = hub.bus("ingress")
     table = stage.handlers()
@@ -233,7 +236,7 @@ async def test_only_replicas_on_a_request_s_route_may_act_on_it(tmp_path):
     route (an opening message: on the route it carries); ingress alone may cancel a request not
     open here yet; messages that came early are checked when it opens."""
     pipeline = Pipeline.default().with_stage("routed", _Routed).with_stage_config("decode", outputs={"tokens": "routed"})
-    hub = MemoryHub({"ingress": 1, "routed": 1, "decode": 2}, pipeline.message_types())
+    hub = MemoryHub({"ingress": 1, "routed": 1, "decode": 2}, message_types(pipeline))
     stage = _Routed(StageContext(pipeline, "routed", 0, tmp_path), hub.bus("routed"))
     ingress = hub.bus("ingress")
     table = stage.handlers()

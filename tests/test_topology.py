@@ -12,6 +12,7 @@ import pytest
 
 from pdflow.config.toml_lines import LineMap
 from pdflow.config.topology import STAGE_NAMES, Limits, Pipeline, TopologyError, load_topology, parse_topology
+from pdflow.speculative import speculation_for
 
 REPO = Path(__file__).parents[1]
 
@@ -100,9 +101,9 @@ def test_a_head_prune_calibration_is_relative_to_the_topology(tmp_path: Path) ->
 
 
 def test_speculative_decoding() -> None:
-    assert not parse().speculative.enabled and parse().speculative.make(None) is None
+    assert not parse().speculative.enabled and speculation_for(parse().speculative, None) is None
     t = parse("[speculative]", 'method = "ngram"', "num_tokens = 3", "adaptive = false", "options = { max_n = 2 }")
-    spec = t.speculative.make(None)
+    spec = speculation_for(t.speculative, None)
     assert (spec.num_tokens, spec.adaptive, spec.proposer.params) == (3, False, {"min_n": 1, "max_n": 2})
     inline = parse('speculative = { method = "ngram", num_tokens = 5 }')  # the same, as one line
     assert inline.speculative.method == "ngram" and inline.speculative.num_tokens == 5

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdflow.config.pipeline import DEFAULT_WEIGHTS
+from pdflow.plugins import DEFAULT_WEIGHTS
 from pdflow.engine.weights import BUILTIN, WeightFormat, registry
 from pdflow.engine.weights.formats import quantize_int4
 
@@ -85,7 +85,7 @@ def test_int8_gives_back_a_q8_0_grid_exactly():
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_kernels_and_their_pytorch_fallback_agree(name, monkeypatch):
-    from pdflow.engine import kernels
+    from pdflow import kernels
 
     assert kernels.library() is not None, kernels.unavailable_reason()  # this machine has a compiler
     torch.manual_seed(5)
@@ -102,7 +102,7 @@ def test_quantized_activations_are_what_the_format_says(name):
     32767 or 127, nearest, ties to even) and multiplied by the packed weights: the kernels equal
     that computation done in PyTorch (up to float order), for one row and for tiles of rows, with an
     even number of groups (one row of int4-a16 then takes two groups at a time) and an odd one."""
-    from pdflow.engine import kernels
+    from pdflow import kernels
 
     assert kernels.library() is not None, kernels.unavailable_reason()
     torch.manual_seed(6)
@@ -127,7 +127,7 @@ def test_quantized_activations_are_what_the_format_says(name):
 def test_quantized_formats_on_another_device_never_reach_the_cpu_kernels(monkeypatch):
     """The kernels take CPU pointers: a weight elsewhere (a GPU; here a meta tensor standing in)
     is dequantized by PyTorch on its own device instead."""
-    from pdflow.engine import kernels
+    from pdflow import kernels
 
     calls = []
     monkeypatch.setattr(kernels, "library", lambda: calls.append(1))
@@ -275,7 +275,7 @@ def test_blocked_int4_sums_the_same_on_every_path_and_with_any_rows_beside(path)
     path's results bit for bit, and a row's result is the same alone as among 2..64 rows, or 100
     (a prefill chunk, on AMX tiles where the CPU has them; AMX takes 16 rows at a time, VNNI 4,
     AVX2 2): what keeps a speculative verify pass equal to a plain step. (The AVX2 path is in builds without AVX-512: tests/test_kernels.py builds one.)"""
-    from pdflow.engine import kernels
+    from pdflow import kernels
 
     lib = kernels.library()
     assert lib is not None, kernels.unavailable_reason()

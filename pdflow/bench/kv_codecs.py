@@ -31,7 +31,8 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import NamedTuple
+
+from pdflow.testing.reference import Past
 
 DESCRIPTION = __doc__
 DEFAULT_CODECS = ("none", "int8", "int8:symmetric=0", "int4", "int4:symmetric=1",
@@ -44,17 +45,6 @@ def held_out_text() -> str:
 
     names = sorted(topics)
     return "\n\n".join(topics[name] for name in names[len(names) // 2:])
-
-
-class Past(NamedTuple):
-    """A prompt's KV as decode would attend with it: per layer, the kept tokens' keys and values
-    (token-major), the prompt's length (the next token's position) and which kv heads are kept
-    (None: all; else bool ``(layers, kv_heads)``)."""
-
-    keys: list
-    values: list
-    length: int
-    kv_keep: object = None
 
 
 def compressed(codec, keys, values, block_tokens: int) -> Past:

@@ -4,7 +4,7 @@ the same adaptation replayed over the plain greedy answers, under a cost model o
 Greedy verification keeps a draft token exactly when it is the target's argmax, and with
 speculation the greedy answers are the plain ones (``pdflow bench speculative`` checks it). So
 the plain answers say what every verify pass would return, and the real
-:func:`~pdflow.speculative.speculative_step` can run without the model: its forward pass is
+:meth:`~pdflow.speculative.Speculation.step` can run without the model: its forward pass is
 replaced by logits whose argmax is the answer's next token at each row's place. The drafts,
 budgets, accept lengths and counts are then the real ones (for a lookup proposer, which reads only
 the tokens so far), and only the time is modelled: a step verifying ``d`` draft tokens costs
@@ -41,7 +41,6 @@ def replay(prompts: list[list[int]], answers: list[list[int]], speculation, max_
     from pdflow.engine.decode import Sequence
     from pdflow.engine.sampler import Sampler
     from pdflow.messages import SamplingParams
-    from pdflow.speculative import speculative_step
 
     if speculation.proposer.draft_cost:
         raise ValueError(f"replay needs a proposer that only looks tokens up; {speculation.proposer.name!r} "
@@ -53,7 +52,7 @@ def replay(prompts: list[list[int]], answers: list[list[int]], speculation, max_
                        history=[*prompt, answer[0]])
         while seq.generated < len(answer):
             proposed = speculation.counts["proposed"]
-            speculative_step(None, [seq], speculation, _answers_forward(seq, answer, vocab), max_context)
+            speculation.step(None, [seq], _answers_forward(seq, answer, vocab), max_context)
             totals["steps"] += 1
             totals["cost"] += 1 + speculation.row_cost * (speculation.counts["proposed"] - proposed)
         totals["tokens"] += len(answer) - 1  # and as many plain steps

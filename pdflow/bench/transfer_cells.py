@@ -145,7 +145,7 @@ class Source:
     def of(cls, workload: Workload, seed: int = 0) -> Source:
         import numpy as np
 
-        from pdflow.kv.checksum import checksum
+        from pdflow.transports.checksum import checksum
         from pdflow.messages import KvChunkHeader
 
         data = np.frombuffer(np.random.default_rng(seed).bytes(workload.region_bytes), np.uint8)

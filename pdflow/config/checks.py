@@ -17,13 +17,13 @@ from pdflow.config.pipeline import (
     DEVICE,
     LINK_PAIRS,
     MODES,
-    WEIGHT_FORMATS,
     Pipeline,
     PipelineError,
     TOKEN_PRODUCERS,
     StageConfig,
     default_outputs,
 )
+from pdflow import plugins
 from pdflow.config.toml_reader import describe
 from pdflow.registry import spec_name
 
@@ -81,8 +81,7 @@ def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:
         _check_scaled(pipeline, key, stage)
     if not DEVICE.fullmatch(stage.device):
         raise PipelineError(f"{key}.device", f'expected "cpu", "cuda" or "cuda:N", got {describe(stage.device)}')
-    from pdflow.stages import registry
-
+    registry = plugins.stage_kinds
     builtin = isinstance(stage.kind_name, str) and stage.kind_name in registry.builtin
     if builtin and stage.outputs == default_outputs(name, pipeline.engine.mode):
         return  # wired as the mode wires it
@@ -165,10 +164,9 @@ def _check_hosts(pipeline: Pipeline) -> None:
         raise PipelineError("security", "the pipeline spans several hosts, whose launchers must share one secret: "
                             'set secret_file = "pipeline.key" (from `pdflow keys new pipeline.key`, copied to every '
                             'host) or secret_env = "NAME" in [security]')
-    from pdflow.transports import availability, load
-
+    transports = plugins.transports
     for i, link in enumerate(pipeline.links):
-        if availability(link.transport) is not None or not load(link.transport).shares_memory:
+        if transports.availability(link.transport) is not None or not transports.load(link.transport).shares_memory:
             continue
         ends = {pipeline.host_name_of(stage, r) for stage in (link.src, link.dst)
                 for r in range(pipeline.stages[stage].replicas)}
@@ -229,9 +227,7 @@ def _check_structural_codec(pipeline: Pipeline, link, codec, key: str) -> None:
 
 
 def _check_router(pipeline: Pipeline) -> None:
-    from pdflow.routing import registry
-
-    if problem := registry.availability(pipeline.router.policy):
+    if problem := plugins.routers.availability(pipeline.router.policy):
         raise PipelineError("router.policy", problem)
 
 
@@ -241,22 +237,18 @@ def _check_speculative(pipeline: Pipeline) -> None:
     spec = pipeline.speculative
     if not spec.enabled:
         return
-    from pdflow.speculative import registry
-
-    if problem := registry.availability(spec.method):
+    if problem := plugins.proposers.availability(spec.method):
         raise PipelineError("speculative.method", problem)
     try:
-        registry.load(spec.method)(None, **spec.options)
+        plugins.proposers.load(spec.method)(None, **spec.options)
     except (TypeError, ValueError) as exc:
         raise PipelineError("speculative.options", str(exc)) from None
 
 
 def _check_weights(pipeline: Pipeline) -> None:
-    if pipeline.model.weights in WEIGHT_FORMATS:
+    if pipeline.model.weights in plugins.WEIGHT_FORMATS:
         return
-    from pdflow.engine.weights import registry
-
-    if problem := registry.availability(pipeline.model.weights):
+    if problem := plugins.weight_formats.availability(pipeline.model.weights):
         raise PipelineError("model.weights", problem)
 
 
@@ -268,10 +260,8 @@ def known_models() -> frozenset[str]:
 
 def transport_problem(name: str, cross_process: bool = True) -> str | None:
     """None when transport ``name`` can link two stages here, else why not."""
-    from pdflow.transports import availability, load
-
-    problem = availability(name)
-    if problem is None and cross_process and not load(name).cross_process:
+    problem = plugins.transports.availability(name)
+    if problem is None and cross_process and not plugins.transports.load(name).cross_process:
         problem = "it connects peers inside one process only (for tests); stages run as separate processes"
     return problem
 

@@ -9,7 +9,10 @@ what code builds::
                 .with_stage("redact", "mypkg.redact:RedactStage", after="egress", output="text",
                             options={"words": ["secret"]})
                 .with_router("least_loaded"))
-    pipeline.check()  # PipelineError("stages.redact.kind: ...") when something does not fit
+    check_pipeline(pipeline)  # PipelineError("stages.redact.kind: ...") when something does not fit
+
+(:func:`pdflow.config.checks.check_pipeline`: the checks are the caller's to run; the launcher
+runs them before it starts a process.)
 
 It is frozen and picklable: the launcher hands it as is to every stage process.
 """
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdflow.plugins import DEFAULT_WEIGHTS, stage_kinds
+
 STAGE_NAMES = ("ingress", "prefill", "kv_shuttle", "decode")  # mode "disaggregated"
 COLOCATED_STAGE_NAMES = ("ingress", "worker")  # mode "colocated"
 MODES = {"disaggregated": STAGE_NAMES, "colocated": COLOCATED_STAGE_NAMES}
@@ -30,8 +35,6 @@ OPTIONAL_STAGE_NAMES = ("egress",)  # built in, but in a pipeline only when aske
 TOKEN_PRODUCERS = {"disaggregated": ("prefill", "decode"), "colocated": ("worker",)}
 KV_STREAMING = ("layer", "request")
 DTYPES = ("float32", "bfloat16", "float16")
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int8-a16", "int4-a16", "int8-a8", "int4-a8", "int4-a16-blocked")  # the built-in ones (pdflow.engine.weights)
-DEFAULT_WEIGHTS = "int4-a16-blocked"  # the fastest format whose greedy answers agree with fp32's >= 99% (docs/benchmarks.md)
 # the disaggregated mode's links: the prompt's KV, a cached prefix to prefill, answers back to the store
 LINK_PAIRS = (("prefill", "kv_shuttle"), ("kv_shuttle", "decode"), ("kv_shuttle", "prefill"), ("decode", "kv_shuttle"))
 DEFAULT_PORTS = {
@@ -246,7 +249,8 @@ class RouterConfig:
 class SpeculativeConfig:
     """Speculative decoding in decode (and the colocated worker): ``method`` names a proposer
     (``"none"``: off; ``"ngram"``; an entry point of ``pdflow.proposers``; ``"module:Class"``),
-    ``options`` its parameters; the rest as :class:`pdflow.speculative.Speculation` takes them."""
+    ``options`` its parameters; the rest as :class:`pdflow.speculative.Speculation` takes them
+(:func:`pdflow.speculative.speculation_for` builds it, in the stage that decodes)."""
 
     method: str = "none"
     num_tokens: int = 5
@@ -259,15 +263,6 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
-
-    def make(self, loaded):
-        """The :class:`~pdflow.speculative.Speculation` for ``loaded`` (None when off)."""
-        if not self.enabled:
-            return None
-        from pdflow.speculative import Speculation, proposer
-
-        return Speculation(proposer(self.method, loaded, **self.options), self.num_tokens, self.adaptive,
-                           self.max_rows, self.row_cost, self.probe_every)
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,27 +500,6 @@ class Pipeline:
         """Whether its replicas run on more than one machine."""
         return len({self.host_name_of(*r) for r in self.replicas()} | {self.control.on}) > 1
 
-    def stage_class(self, name: str) -> type:
-        from pdflow.stages import registry
-
-        return registry.load(self.stages[name].kind_name)
-
-    def message_types(self) -> tuple[type, ...]:
-        """The built-in messages plus every plug-in stage's own: what each bus decodes."""
-        from pdflow.messages import with_plugins
-
-        extra: list[type] = []
-        for name in self.stages:
-            extra += self.stage_class(name).messages
-        return with_plugins(tuple(extra))
-
-    def check(self) -> Pipeline:
-        """Raise PipelineError for anything that cannot run (see :mod:`pdflow.config.checks`)."""
-        from pdflow.config.checks import check_pipeline
-
-        check_pipeline(self)
-        return self
-
 
 def default_stage(name: str, mode: str = "disaggregated", **config: Any) -> StageConfig:
     """A built-in stage with its default ports (and outputs, in ``mode``)."""
@@ -553,9 +527,7 @@ def default_outputs(name: str, mode: str) -> dict[str, str]:
 
 
 def _default_output(stage: StageConfig, output: str) -> str:
-    from pdflow.stages import registry
-
-    outputs = registry.load(stage.kind_name).outputs
+    outputs = stage_kinds.load(stage.kind_name).outputs
     if output not in outputs:
         raise PipelineError(f"stages.{stage.name}.outputs", f"a {stage.kind_name} stage has no output {output!r}; "
                             f"its outputs: {', '.join(outputs) or 'none'}")

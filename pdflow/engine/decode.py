@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdflow.engine import kernels
+from pdflow import kernels
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import Sampler, sample_batch
 from pdflow.kv.layout import torch_dtype
-from pdflow.speculative.speculation import speculative_step
 
 _CAPACITY_STEP = 256
 _RESERVE_MAX = 1024  # output tokens a joining sequence reserves room for, at most
@@ -244,7 +243,7 @@ class DecodeBatch:
         if not seqs:
             return []
         if self.speculation is not None:
-            return speculative_step(self, seqs, self.speculation, self._forward_rows, self.loaded.max_context)
+            return self.speculation.step(self, seqs, self._forward_rows, self.loaded.max_context)
         n = len(seqs)
         logits = self._forward_rows(list(range(n)), [0] * n, [s.next_token for s in seqs])
         return advance(seqs, sample_batch(logits, [s.sampler for s in seqs]))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdflow.engine import kernels
+from pdflow import kernels
 from pdflow.engine.weights import PackedLinear, WeightFormat
 from pdflow.model_files import COMPACT_TYPES as SUPPORTED_TYPES
 from pdflow.model_files import compact_unsupported

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pdflow.config.pipeline import DEFAULT_WEIGHTS
+from pdflow.plugins import DEFAULT_WEIGHTS
 from pdflow.engine import packed_cache
 from pdflow.engine import weights as weight_formats
 from pdflow.engine.forward import TransformersForward, check_against_own_forward

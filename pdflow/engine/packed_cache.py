@@ -47,7 +47,7 @@ def enabled(device: torch.device) -> bool:
 
 def path_for(model_dir: Path, weights: str, dtype: torch.dtype) -> Path:
     """Where the packed copy of ``model_dir`` in ``weights`` and ``dtype`` is (or would be)."""
-    from pdflow.models import cache_dir
+    from pdflow.paths import cache_dir
 
     digest = hashlib.sha256()
     model_dir = Path(model_dir).resolve()

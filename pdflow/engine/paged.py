@@ -19,12 +19,11 @@ import threading
 
 import torch
 
-from pdflow.engine import kernels
+from pdflow import kernels
 from pdflow.engine.decode import Sequence, advance
 from pdflow.engine.loader import LoadedModel
 from pdflow.engine.sampler import sample_batch
 from pdflow.kv.arena import ArenaLayout, anonymous_memory
-from pdflow.speculative.speculation import speculative_step
 
 
 class PoolExhausted(RuntimeError):
@@ -205,7 +204,7 @@ class PagedDecodeBatch:
         if not seqs:
             return []
         if self.speculation is not None:
-            return speculative_step(self, seqs, self.speculation, self._forward_rows, self.loaded.max_context)
+            return self.speculation.step(self, seqs, self._forward_rows, self.loaded.max_context)
         bt = self.pool.block_tokens
         for seq, slots in zip(seqs, self.slots):
             if seq.length >= len(slots) * bt:

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 
 import torch
 
-from pdflow.engine import kernels, logits as processors
+from pdflow import kernels
+from pdflow.engine import logits as processors
 from pdflow.engine.guided import Guide, GuideCompiler
 from pdflow.engine.logprobs import token_logprob
 from pdflow.messages import SamplingParams, TokenLogprob

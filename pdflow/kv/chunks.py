@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from pdflow.kv.arena import ArenaLayout, runs
-from pdflow.kv.checksum import checksum
+from pdflow.transports.checksum import checksum
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
 from pdflow.messages import KvChunkHeader
 from pdflow.transports.regions import byte_view

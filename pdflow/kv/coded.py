@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from pdflow.kv.checksum import checksum
+from pdflow.transports.checksum import checksum
 from pdflow.kv.codecs import KvCodec, from_spec
 from pdflow.kv.layout import KEYS, VALUES, torch_dtype
 from pdflow.messages import KvChunkHeader

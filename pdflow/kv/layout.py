@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pdflow.kv.checksum import checksum
+from pdflow.transports.checksum import checksum
 from pdflow.kv.kinds import KEYS, VALUES
 
 __all__ = ["KEYS", "VALUES", "KvLayout", "checksum", "dtype_name", "torch_dtype"]

@@ -56,7 +56,7 @@ import torch
 
 from pdflow.kv.arena import ArenaLayout, anonymous_memory
 from pdflow.kv.blocks import BlockId, descendants
-from pdflow.kv.checksum import checksum
+from pdflow.transports.checksum import checksum
 from pdflow.kv.codecs import KvCodec
 from pdflow.kv.holdings import Journal
 from pdflow.kv.layout import KEYS, VALUES, KvLayout, torch_dtype

@@ -14,22 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdflow.registry import Registry
+from pdflow import plugins
 from pdflow.routing.base import NoReplicaAvailable, ReplicaStatus, Router, RoutingRequest
 
 __all__ = ["NoReplicaAvailable", "ReplicaStatus", "Router", "RoutingRequest", "create", "registry"]
 
-ENTRY_POINT_GROUP = "pdflow.routers"
-
-BUILTIN: dict[str, tuple[str, str]] = {
-    "round_robin": ("pdflow.routing.policies:RoundRobinRouter", ""),
-    "least_loaded": ("pdflow.routing.policies:LeastLoadedRouter", ""),
-    "power_of_two": ("pdflow.routing.policies:PowerOfTwoRouter", ""),
-    "cache_aware": ("pdflow.routing.policies:CacheAwareRouter", ""),
-}
-
-registry = Registry("router", ENTRY_POINT_GROUP, Router, BUILTIN)
-
+registry = plugins.routers
+BUILTIN, ENTRY_POINT_GROUP = registry.builtin, registry.group
 
 def create(policy: str | type, options: dict[str, Any] | None = None) -> Router:
     """A router of ``policy`` built with ``options`` (TypeError naming an option it does not take)."""

@@ -42,6 +42,7 @@ from pdflow.messages import (
     check_hello,
     decoder,
 )
+from pdflow.runtime.kinds import message_types
 from pdflow.security.curve import PipelineAuthenticator, as_client, as_server, sender_of
 from pdflow.security.keys import LAUNCHER, StageKeys, parse_identity
 
@@ -200,7 +201,7 @@ class ZmqBus(Bus):
         self.ctx = zmq.asyncio.Context()
         self.authenticator: PipelineAuthenticator | None = None
         self.malformed = DropCounter("bus.message.malformed")
-        self.framing = Framing(types or pipeline.message_types())
+        self.framing = Framing(types or message_types(pipeline))
         self._launcher_framing = Framing(FROM_LAUNCHER)
         self._peers: dict[tuple[str, int], zmq.asyncio.Socket] = {}
         self._refused: set[tuple[str, int, int]] = set()

@@ -35,6 +35,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from pdflow.config.checks import check_pipeline
 from pdflow.config.pipeline import Pipeline
 from pdflow.messages import (
     PROTOCOL_VERSION,
@@ -584,7 +585,7 @@ def run(pipeline: Pipeline, *, log_format: str = "console", log_level: str = "in
     from pdflow.log import configure_logging
     from pdflow.models import resolve
 
-    pipeline.check()
+    check_pipeline(pipeline)
     if backend == "process":
         this_host(pipeline, host)
     configure_logging(log_format, log_level, stage="launcher")

@@ -22,6 +22,7 @@ import structlog
 
 from pdflow.config.pipeline import Pipeline
 from pdflow.messages import Heartbeat, Ready, StageDown, StageStatus
+from pdflow.runtime.kinds import message_types, stage_class
 from pdflow.runtime.memory_bus import MemoryHub
 from pdflow.runtime.stage import Stage, StageContext
 
@@ -65,10 +66,10 @@ class LocalPipeline:
             source = self.pipeline.model.path or self.pipeline.model.source
             self.model_dir = await asyncio.to_thread(resolve, str(source), progress=False)
         replicas = {name: stage.replicas for name, stage in self.pipeline.stages.items()}
-        self.hub = MemoryHub(replicas, self.pipeline.message_types())
+        self.hub = MemoryHub(replicas, message_types(self.pipeline))
         for name, replica in self.pipeline.replicas():
             ctx = StageContext(self.pipeline, name, replica, Path(self.model_dir))
-            stage = self.pipeline.stage_class(name)(ctx, self.hub.bus(name, replica))
+            stage = stage_class(self.pipeline, name)(ctx, self.hub.bus(name, replica))
             self.stages[(name, replica)] = stage
             self._tasks[(name, replica)] = asyncio.get_running_loop().create_task(stage.run())
         try:

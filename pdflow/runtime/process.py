@@ -101,11 +101,12 @@ def main(launch: StageLaunch) -> None:
         import uvloop
 
         from pdflow.runtime.bus import ZmqBus
+        from pdflow.runtime.kinds import stage_class
         from pdflow.runtime.stage import StageContext
 
         ctx = StageContext(topology, launch.stage, launch.replica, Path(launch.model_dir))
         bus = ZmqBus(topology, launch.stage, launch.replica, keys=launch.bus_keys)
-        stage = topology.stage_class(launch.stage)(ctx, bus)
+        stage = stage_class(topology, launch.stage)(ctx, bus)
         stage.keys = launch.keys
         uvloop.run(_serve(stage))
     except Exception as exc:

@@ -53,6 +53,7 @@ from pdflow.messages import (
     StageUp,
 )
 from pdflow.runtime.bus import Bus, DropCounter, Sender
+from pdflow.runtime.kinds import wired_to
 from pdflow.runtime.requests import RequestTable, TableLimits
 
 if TYPE_CHECKING:
@@ -413,16 +414,6 @@ class Stage:
             self.requests.expire()
             seq += 1
             await asyncio.sleep(self.limits.heartbeat_interval_s)
-
-
-def wired_to(pipeline: Pipeline, stage: str, output: str | None = None) -> frozenset[str]:
-    """The stages with an output (named ``output``, if given) that the pipeline wires to ``stage``."""
-    found = set()
-    for name, config in pipeline.stages.items():
-        outputs = pipeline.stage_class(name).outputs
-        if stage in {config.outputs.get(out) or target for out, target in outputs.items() if output in (None, out)}:
-            found.add(name)
-    return frozenset(found)
 
 
 async def _call(handler: Callable[..., Awaitable[None] | None], *args: Any) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from msgspec.structs import replace
 
@@ -42,7 +43,9 @@ from pdflow.serving.openai_responses import (
     usage,
     usage_chunk,
 )
-from pdflow.stages.ingress import PendingRequest
+
+if TYPE_CHECKING:  # annotations only: the ingress stage imports this module
+    from pdflow.stages.ingress import PendingRequest
 
 
 @dataclass(slots=True, eq=False)

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdflow.config.pipeline import DEFAULT_WEIGHTS
+from pdflow.plugins import DEFAULT_WEIGHTS
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def tcp_gbit_per_s(chunk: int = 4 << 20, count: int = 64) -> float:
     """The tcp transport's speed between two of its endpoints here, decimal Gbit/s."""
-    from pdflow.kv.checksum import checksum
+    from pdflow.transports.checksum import checksum
     from pdflow.messages import KvChunkHeader
     from pdflow.transports import create
 

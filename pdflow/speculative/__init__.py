@@ -11,21 +11,29 @@ entry-point group ``pdflow.proposers`` (a :class:`Proposer` subclass). Built in:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdflow.registry import Registry
+from pdflow import plugins
 from pdflow.speculative.base import NO_DRAFT, Draft, Proposer
-from pdflow.speculative.speculation import Speculation, speculative_step
+from pdflow.speculative.speculation import Speculation
 
-ENTRY_POINT_GROUP = "pdflow.proposers"
-BUILTIN = {
-    "ngram": ("pdflow.speculative.ngram:NgramProposer", ""),
-    "self-draft": ("pdflow.speculative.self_draft:SelfDraftProposer", ""),
-}
-registry = Registry("proposer", ENTRY_POINT_GROUP, Proposer, BUILTIN)
+if TYPE_CHECKING:
+    from pdflow.config.pipeline import SpeculativeConfig
+
+registry = plugins.proposers
+BUILTIN, ENTRY_POINT_GROUP = registry.builtin, registry.group
 
 __all__ = ["BUILTIN", "Draft", "ENTRY_POINT_GROUP", "NO_DRAFT", "Proposer", "Speculation", "proposer", "registry",
-           "speculative_step"]
+           "speculation_for"]
+
+
+def speculation_for(config: SpeculativeConfig, loaded) -> Speculation | None:
+    """The speculation a topology's ``[speculative]`` table asks for, for model ``loaded``
+    (None when off)."""
+    if not config.enabled:
+        return None
+    return Speculation(proposer(config.method, loaded, **config.options), config.num_tokens, config.adaptive,
+                       config.max_rows, config.row_cost, config.probe_every)
 
 
 def proposer(name: str, loaded, **params: Any) -> Proposer:

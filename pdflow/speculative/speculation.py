@@ -41,7 +41,7 @@ from pdflow.speculative.verify import accept
 if TYPE_CHECKING:
     from pdflow.engine.decode import Sequence
 
-__all__ = ["ROW_COST", "Speculation", "speculative_step"]
+__all__ = ["ROW_COST", "Speculation"]
 
 ROW_COST = 0.25  # one more row of a verify pass against a whole one-row step (see the module doc)
 _DECAY = 0.9  # how much of a sequence's acceptance history each verify keeps
@@ -121,6 +121,36 @@ class Speculation:
             state["kept"] = state["kept"] * _DECAY + accepted
             state["missed"] = state["missed"] * _DECAY + (accepted < proposed)
 
+    def step(self, batch, seqs: "list[Sequence]", forward, max_context: int) -> list[tuple["Sequence", int]]:
+        """One step of ``batch``'s sequences ``seqs``: drafts, one verify pass over every sequence's
+        rows (``forward(owners, offsets, tokens)``: the batch's logits of those rows), the tokens
+        each keeps (several per sequence, in order, as ``(sequence, token)`` pairs)."""
+        drafts = self.drafts(batch, seqs, max_context)
+        self.counts["steps"] += 1
+        self.counts["speculative_steps"] += any(d.tokens for d in drafts)
+        owners, offsets, tokens = [], [], []
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
+            for j, token in enumerate([seq.next_token, *draft.tokens]):
+                owners.append(i)
+                offsets.append(j)
+                tokens.append(token)
+        logits = forward(owners, offsets, tokens)
+        out, row = [], 0
+        for seq, draft in zip(seqs, drafts):
+            n = len(draft.tokens) + 1
+            # a sequence with logits processors, a guide or logprobs drafts nothing: it samples as in a plain step
+            emitted = accept(logits[row : row + n], draft, seq.sampler) if seq.sampler.plain \
+                else [seq.sampler.sample(logits[row])]
+            row += n
+            self.record(seq, n - 1, len(emitted) - 1)
+            seq.length += len(emitted)  # the tokens fed and kept are cached now; the last emitted is fed next
+            seq.generated += len(emitted)
+            seq.next_token = emitted[-1]
+            if seq.history is not None:
+                seq.history.extend(emitted)
+            out.extend((seq, token) for token in emitted)
+        return out
+
     def forget(self, seq: "Sequence") -> None:
         self.proposer.forget(seq)
 
@@ -128,34 +158,3 @@ class Speculation:
         """Counters for a stage's /health: steps, those that verified a draft, drafts verified
         (one per sequence and step), draft tokens proposed and accepted."""
         return {f"speculative_{name}": value for name, value in self.counts.items()}
-
-
-def speculative_step(batch, seqs: "list[Sequence]", speculation: Speculation, forward,
-                     max_context: int) -> list[tuple["Sequence", int]]:
-    """One step of ``seqs``: drafts, one verify pass over every sequence's rows, the tokens each
-    keeps (several per sequence, in order, as ``(sequence, token)`` pairs)."""
-    drafts = speculation.drafts(batch, seqs, max_context)
-    speculation.counts["steps"] += 1
-    speculation.counts["speculative_steps"] += any(d.tokens for d in drafts)
-    owners, offsets, tokens = [], [], []
-    for i, (seq, draft) in enumerate(zip(seqs, drafts)):
-        for j, token in enumerate([seq.next_token, *draft.tokens]):
-            owners.append(i)
-            offsets.append(j)
-            tokens.append(token)
-    logits = forward(owners, offsets, tokens)
-    out, row = [], 0
-    for seq, draft in zip(seqs, drafts):
-        n = len(draft.tokens) + 1
-        # a sequence with logits processors, a guide or logprobs drafts nothing: it samples as in a plain step
-        emitted = accept(logits[row : row + n], draft, seq.sampler) if seq.sampler.plain \
-            else [seq.sampler.sample(logits[row])]
-        row += n
-        speculation.record(seq, n - 1, len(emitted) - 1)
-        seq.length += len(emitted)  # the tokens fed and kept are cached now; the last emitted is fed next
-        seq.generated += len(emitted)
-        seq.next_token = emitted[-1]
-        if seq.history is not None:
-            seq.history.extend(emitted)
-        out.extend((seq, token) for token in emitted)
-    return out

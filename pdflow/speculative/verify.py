@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdflow import kernels
 from pdflow.speculative.base import Draft
 
 if TYPE_CHECKING:
@@ -31,8 +32,6 @@ def accept(logits: torch.Tensor, draft: Draft, sampler: "Sampler") -> list[int]:
     (``logits`` ``(len(draft.tokens) + 1, vocab)``)."""
     tokens = draft.tokens
     if sampler.greedy:
-        from pdflow.engine import kernels  # here: pdflow.engine imports this package (a cycle at import)
-
         target = kernels.argmax_rows(logits)  # the same pick as a plain step's (sample_batch)
         kept = 0
         while kept < len(tokens) and tokens[kept] == target[kept]:

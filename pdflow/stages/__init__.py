@@ -7,18 +7,6 @@ needs one; third-party ones through the ``pdflow.stages`` entry-point group::
 
 from __future__ import annotations
 
-from pdflow.registry import Registry
-from pdflow.runtime.stage import Stage
+from pdflow.plugins import stage_kinds as registry
 
-ENTRY_POINT_GROUP = "pdflow.stages"
-
-BUILTIN: dict[str, tuple[str, str]] = {
-    "ingress": ("pdflow.stages.ingress:IngressStage", ""),
-    "prefill": ("pdflow.stages.prefill:PrefillStage", ""),
-    "kv_shuttle": ("pdflow.stages.kv_shuttle:KvShuttleStage", ""),
-    "decode": ("pdflow.stages.decode:DecodeStage", ""),
-    "egress": ("pdflow.stages.egress:EgressStage", ""),
-    "worker": ("pdflow.stages.worker:WorkerStage", ""),
-}
-
-registry = Registry("stage kind", ENTRY_POINT_GROUP, Stage, BUILTIN)
+BUILTIN, ENTRY_POINT_GROUP = registry.builtin, registry.group

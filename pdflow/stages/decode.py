@@ -48,6 +48,7 @@ from pdflow.messages import (
     Tokens,
 )
 from pdflow.runtime.stage import Stage, Submission
+from pdflow.speculative import speculation_for
 from pdflow.stages.engine_thread import engine_thread, run_in
 from pdflow.stages.step_counts import CountsDecodeSteps
 from pdflow.transports.staging import Stager
@@ -124,7 +125,7 @@ class DecodeStage(CountsDecodeSteps, Stage):
         else:
             self.batch = DecodeBatch(self.model, self.limits.max_batch)
         self._structural_setup()
-        self.batch.speculation = topo.speculative.make(self.model)
+        self.batch.speculation = speculation_for(topo.speculative, self.model)
         self.by_region: dict[int, _Incoming] = {}  # KV still landing in a buffer of its own
         self.awaiting_slots: deque[_Incoming] = deque()  # no free pool slots for them yet
         self.waiting: list[_Incoming] = []  # all KV here, not yet in the batch

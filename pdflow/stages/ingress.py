@@ -45,7 +45,8 @@ from pdflow.messages import (
     Tokens,
 )
 from pdflow.routing import NoReplicaAvailable, ReplicaStatus, RoutingRequest
-from pdflow.runtime.stage import Stage, Submission, wired_to
+from pdflow.runtime.kinds import stage_class, wired_to
+from pdflow.runtime.stage import Stage, Submission
 from pdflow.security.keys import load_api_key
 from pdflow.serving.http_server import HttpServer, http_server
 from pdflow.serving.logprobs_format import TokenTexts
@@ -117,11 +118,11 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         self.accepting = True
         self.metrics = ServingMetrics(self)
         self.routed = [name for name in self.pipeline.stages if name != "ingress"]
-        self.admitted_by = [(name, self.pipeline.stage_class(name)) for name in reversed(self.routed)]
+        self.admitted_by = [(name, stage_class(self.pipeline, name)) for name in reversed(self.routed)]
         self.router = routing.create(self.pipeline.router.policy, self.pipeline.router.options)
         self.holdings = Holdings() if self.router.uses_holdings else None  # what each store holds, as it says
         self.hasher = BlockHasher.for_pipeline(self.pipeline)
-        self.keeps_kv = {name for name in self.routed if getattr(self.pipeline.stage_class(name), "holds_kv", False)}
+        self.keeps_kv = {name for name in self.routed if getattr(stage_class(self.pipeline, name), "holds_kv", False)}
         server = self.pipeline.server
         self.server = http_server(build_app(self), server.host, server.port, server.header_timeout_s)
         self.server_task = self.spawn(self.server.serve())

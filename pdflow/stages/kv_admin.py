@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdflow.messages import KvForget, KvForgotten
+from pdflow.runtime.kinds import stage_class
 
 FORGET_TIMEOUT_S = 10.0
 
@@ -31,7 +32,7 @@ class KvAdminIngress:
 
     def kv_holders(self) -> list[tuple[str, int]]:
         return [(name, i) for name, i in self.pipeline.replicas()
-                if getattr(self.pipeline.stage_class(name), "holds_kv", False)]
+                if getattr(stage_class(self.pipeline, name), "holds_kv", False)]
 
     async def forget_kv(self, prompt_ids: list[int] | None, timeout_s: float = FORGET_TIMEOUT_S) -> dict:
         """Drop the KV of ``prompt_ids``'s prefix and all built on it (None: everything) in every

@@ -27,6 +27,7 @@ from pdflow.kv.blocks import BlockHasher, answer_blocks
 from pdflow.kv.local_cache import LocalPrefixCache
 from pdflow.messages import KvForget, KvForgotten, PrefillRequest, StopRequest, Tokens
 from pdflow.runtime.stage import Stage, Submission
+from pdflow.speculative import speculation_for
 from pdflow.stages.engine_thread import engine_thread, run_in
 from pdflow.stages.step_counts import CountsDecodeSteps
 
@@ -50,7 +51,7 @@ class WorkerStage(CountsDecodeSteps, Stage):
         self.model.max_context = topo.model.context(self.model.max_context)  # (model.max_model_len)
         self.samplers = SamplerFactory(self.model.eos_token_ids, self.model.vocab_size, self.ctx.model_dir)
         self.batch = DecodeBatch(self.model, self.limits.max_batch)
-        self.batch.speculation = topo.speculative.make(self.model)
+        self.batch.speculation = speculation_for(topo.speculative, self.model)
         kv = topo.kv
         self.cache = None
         if kv.prefix_cache:

@@ -4,8 +4,20 @@ decode attending over the prompt's KV as a link's codec lets it have it."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
-__all__ = ["chat_ids", "greedy_answer"]
+__all__ = ["Past", "chat_ids", "greedy_answer"]
+
+
+class Past(NamedTuple):
+    """A prompt's KV as decode would attend with it: per layer, the kept tokens' keys and values
+    (token-major), the prompt's length (the next token's position) and which kv heads are kept
+    (None: all; else bool ``(layers, kv_heads)``)."""
+
+    keys: list
+    values: list
+    length: int
+    kv_keep: object = None
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
@@ -17,11 +29,10 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 def greedy_answer(loaded, tokenizer, ids: list[int], max_tokens: int, through: Callable | None = None) -> str:
     """The greedy answer (at most ``max_tokens`` tokens, ending at end of sequence) of prefill and
     a decode batch without speculation. ``through(keys, values)``: what decode gets of the
-    prompt's KV (per layer, token-major), a :class:`pdflow.bench.kv_codecs.Past` (e.g.
+    prompt's KV (per layer, token-major), a :class:`Past` (e.g.
     ``compressed(codec, keys, values, block_tokens)``); None: all of it as prefill computed it."""
     import torch
 
-    from pdflow.bench.kv_codecs import Past
     from pdflow.engine import DecodeBatch, Sampler, Sequence, prefill
     from pdflow.messages import SamplingParams
 

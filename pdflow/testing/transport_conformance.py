@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from pdflow.kv.checksum import checksum
+from pdflow.transports.checksum import checksum
 from pdflow.messages import KvChunkHeader
 from pdflow.transports import (
     ChecksumMismatch,

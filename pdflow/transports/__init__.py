@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdflow.registry import Registry
+from pdflow import plugins
 from pdflow.transports.base import Transport
 from pdflow.transports.errors import (
     ChecksumMismatch,
@@ -52,22 +52,8 @@ __all__ = [
     "registry",
 ]
 
-ENTRY_POINT_GROUP = "pdflow.transports"
-
-BUILTIN: dict[str, tuple[str, str]] = {
-    "tcp": ("pdflow.transports.tcp:TcpTransport", ""),
-    "inproc": ("pdflow.transports.inproc:InProcTransport", ""),
-    "shm": ("pdflow.transports.shm:ShmTransport", "needs Linux (memfd_create, abstract Unix sockets)"),
-    "ucx": ("pdflow.transports.ucx:UcxTransport", "pip install 'pdflow[ucx]'"),
-    "verbs": (
-        "pdflow.transports.verbs:VerbsTransport",
-        "needs an RDMA device and pyverbs: apt-get install python3-pyverbs "
-        "(a virtualenv sees it only with --system-site-packages)",
-    ),
-}
-
-
-registry = Registry("transport", ENTRY_POINT_GROUP, Transport, BUILTIN)
+registry = plugins.transports
+BUILTIN, ENTRY_POINT_GROUP = registry.builtin, registry.group
 names = registry.names  # every known transport: the built-in ones, then those from entry points
 availability = registry.availability  # None if usable here, else why not (with the install hint)
 load = registry.load  # the class; LookupError if unknown, ImportError if not installed

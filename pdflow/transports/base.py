@@ -185,7 +185,7 @@ class Transport(ABC):
 
         ``data`` is any C-contiguous buffer or CPU torch tensor (sent from its own memory, no
         copy; ValueError if non-contiguous) of exactly ``header.nbytes`` bytes (ValueError
-        otherwise). ``header.checksum`` is the caller's (:func:`pdflow.kv.checksum.checksum`);
+        otherwise). ``header.checksum`` is the caller's (:func:`pdflow.transports.checksum.checksum`);
         the receiver verifies it. Returns once the bytes have left ``data`` (it may be reused);
         landing is reported to the receiver only. Many writes may be in flight at once, to one
         or several peers; those to one address go out in call order.

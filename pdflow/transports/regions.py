@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from pdflow.kv.checksum import checksum
+from pdflow.transports.checksum import checksum
 from pdflow.messages import KvChunkHeader
 from pdflow.transports.errors import ChecksumMismatch, ChunkNotice, OutOfBounds, TransportError, UnknownRegion
 

@@ -155,7 +155,7 @@ class TcpTransport(Transport):
                     raise PeerDisconnected(f"{peer} closed mid-payload")
             self._arrived(header, span)
         else:
-            hasher = xxhash.xxh3_64()  # = pdflow.kv.checksum.checksum, fed as the bytes land
+            hasher = xxhash.xxh3_64()  # = pdflow.transports.checksum.checksum, fed as the bytes land
             if await recv_exact(conn, span, hasher) < header.nbytes:
                 raise PeerDisconnected(f"{peer} closed mid-payload")
             self._arrived(header, span, hasher.intdigest())

@@ -200,7 +200,7 @@ class Inbound:
             return self.stop()
         self.header, self.span, self.received = header, self.landing(header), 0
         if not isinstance(self.span, TransportError):
-            self.hasher = xxhash.xxh3_64()  # = pdflow.kv.checksum.checksum, fed piece by piece
+            self.hasher = xxhash.xxh3_64()  # = pdflow.transports.checksum.checksum, fed piece by piece
         self._next_piece()
 
     def _next_piece(self) -> None:

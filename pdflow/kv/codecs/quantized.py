@@ -93,7 +93,7 @@ class Quantized(KvCodec):
         """The C kernels if they can take ``tensor`` (fp32, on the CPU), else None."""
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or channels > _MAX_CHANNELS:
             return None
-        from pdflow.engine import kernels
+        from pdflow import kernels
 
         lib = kernels.library()
         return lib if lib is not None and hasattr(lib, "pdflow_kv_encode") else None

@@ -5,7 +5,7 @@
  * group of 32 weights is unpacked and scaled into registers and multiplied straight in; with
  * more, the output row's weights are unpacked once into an fp32 buffer (in L1) and multiplied
  * into tiles of 4 rows of x. Threads split the output rows. Built at first use with -O3
- * -march=native (pdflow/engine/kernels); the callers keep rows <= MAX_ROWS and k <= 8192.
+ * -march=native (pdflow/kernels); the callers keep rows <= MAX_ROWS and k <= 8192.
  *
  * Layouts (row-major, n = output row, g = group of 32 inputs):
  *   int8: q8[n][g][32] signed; scale[n][g]; w = q * scale                  (GGUF Q8_0's rule)

@@ -1,4 +1,5 @@
-"""The checksum every KV chunk carries (kept free of torch, so the data plane imports fast)."""
+"""The checksum every KV chunk carries on the data plane and in the store (kept free of torch, so
+the data plane imports fast)."""
 
 import xxhash
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("pdflow.engine.kernels")
+log = logging.getLogger("pdflow.kernels")
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 SOURCES = (SOURCE, Path(__file__).with_name("kvquant.c"), Path(__file__).with_name("q4blocked.c"))
@@ -103,7 +103,7 @@ def _cpu_identity() -> str:
 
 
 def _cache_dir() -> Path:
-    from pdflow.models import cache_dir
+    from pdflow.paths import cache_dir
 
     return cache_dir() / "kernels"
 
