@@ -148,6 +148,7 @@ BENCHES = {
     "kv-heads": ("kv_heads", "how much each kv head matters (the head-prune codec's importance file)"),
     "speculative": ("speculative", "decoding with and without speculation on quoting and free-form workloads"),
     "output-api": ("output_api", "TPOT with logprobs and with a JSON schema beside plain requests"),
+    "aiperf": ("aiperf_compare", "NVIDIA's aiperf against pdflow and llama.cpp's server, same workload"),
     "lm-eval": ("harness", "lm-evaluation-harness scoring the served model beside its own HF backend, per KV codec"),
 }
 
