@@ -2,7 +2,7 @@
 load, and SIGTERM to the launcher.
 
 The tests share one `pdflow run`; the SIGTERM test stops it, so it comes last. The fault tests
-are bounded for CI; scripts/reliability.py runs them at length.
+are bounded for CI; experiments/reliability.py runs them at length.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from pdflow.bench import serve_report as report
+from pdflow.bench import traces
 from pdflow.bench.prompts import PromptBuilder, Tokenizer
 from pdflow.bench.workloads import DATASETS, WorkloadSpec, block_size, build, build_sessions, parse_range
 
@@ -70,7 +71,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", choices=DATASETS, default="fixed",
                    help="fixed, random, trace (Mooncake JSONL), jsonl, rag (documents x questions), "
                    "multiturn (chat sessions that re-send their history with the model's answers)")
-    g.add_argument("--dataset-path", help="the trace (Mooncake JSONL) or jsonl file")
+    g.add_argument("--dataset-path", help=traces.help_text("the trace (Mooncake JSONL) or jsonl file"))
     g.add_argument("--num-prompts", type=int, default=None,
                    help="requests for fixed/random (default 16); for trace/jsonl the same as --limit")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (fixed)")

@@ -218,7 +218,7 @@ def _link_option(parse):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``pdflow bench transfer`` (also those of scripts/bench_transfer.py)."""
+    """The options of ``pdflow bench transfer``."""
     from pdflow.transports.shaping import parse_bandwidth, parse_latency
 
     parser.add_argument("--transports", type=_names, metavar="NAMES",

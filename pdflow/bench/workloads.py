@@ -9,7 +9,8 @@
   that many conversations picked at random (seeded), a conversation being the requests that
   share their first two hash ids (in Mooncake's conversation trace every request starts with the
   same block; the second tells conversations apart): a small replay that keeps the trace's
-  reuse between turns, which its consecutive requests, minutes apart, hardly show.
+  reuse between turns, which its consecutive requests, minutes apart, hardly show. The traces
+  themselves are Mooncake's, not shipped: :mod:`pdflow.bench.traces` says where to get them.
 * ``jsonl``: a file of ``{"prompt": str | [ids], "max_tokens": n}`` lines, sent as written.
 * ``rag``: ``documents`` documents of ``doc_len`` tokens, each asked ``questions`` questions of
   ``question_len`` tokens (prompt = document + question), in a seeded random order.
@@ -29,6 +30,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdflow.bench import traces
 from pdflow.bench.prompts import PromptBuilder
 
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake traces
@@ -160,8 +162,9 @@ def _lines(path: str, limit: int | None) -> list[dict]:
 
 
 def trace_rows(spec: WorkloadSpec) -> list[dict]:
-    """The trace's rows a ``trace`` workload replays, in arrival order."""
-    rows = _lines(spec.path, None if spec.sample_conversations else spec.limit)
+    """The trace's rows a ``trace`` workload replays, in arrival order (FileNotFoundError saying where
+    to get one when ``spec.path`` is missing)."""
+    rows = _lines(str(traces.existing(spec.path)), None if spec.sample_conversations else spec.limit)
     if spec.sample_conversations:
         keys = sorted({tuple(row.get("hash_ids", [])[:2]) for row in rows})
         picked = set(random.Random(spec.seed).sample(keys, min(spec.sample_conversations, len(keys))))

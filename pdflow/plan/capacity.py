@@ -1,7 +1,7 @@
 """How big a KV store a trace needs: its prefix hit ratio as a function of the store's capacity,
 under LRU, from one pass over the trace.
 
-A Mooncake-format trace names each prompt's blocks (``hash_ids``, one per ``block_tokens`` tokens;
+A Mooncake-format trace (Mooncake's own: :mod:`pdflow.bench.traces` says where to get them) names each prompt's blocks (``hash_ids``, one per ``block_tokens`` tokens;
 equal ids are equal prefixes). Every request touches all of its blocks in order: the ones the store
 has are read (and become the most recently used), the rest are computed and stored. Which blocks
 a request touches does not depend on what the store holds, so one pass computes each touch's *LRU
@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdflow.bench import traces
+
 __all__ = ["HitCurve", "hit_curve", "read_trace"]
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake's traces
@@ -35,7 +37,7 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     """The rows of a Mooncake-format JSONL trace, in arrival order; ValueError naming the line
     that is not JSON or lacks ``hash_ids`` / ``input_length``."""
     rows = []
-    with open(Path(path).expanduser()) as f:
+    with open(traces.existing(path)) as f:
         for number, line in enumerate(f, 1):
             if limit is not None and len(rows) >= limit:
                 break

@@ -4,6 +4,9 @@
     pdflow plan transfer --model llama-3-70b --tokens 8192 --gbit 25 100 400 --prefill-tokens-per-s 20000
     pdflow plan capacity --trace ../shared/traces/conversation_trace.jsonl --model llama-3-70b --plot hit.png
     pdflow plan ratio --rate 2 --input 12000 --output 340 --prefill-tokens-per-s 9000 --decode-tokens-per-s 600
+
+Traces are Mooncake's (github.com/kvcache-ai/Mooncake, FAST25-release/traces/, Apache License 2.0):
+    curl -LO https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces/conversation_trace.jsonl
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from pdflow.bench import traces
 from pdflow.plan import capacity, kv_bytes, ratio, shapes, transfer
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -41,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _json(tr)
 
     cap = sub.add_parser("capacity", help="a trace's prefix hit ratio against the store's capacity (LRU)")
-    cap.add_argument("--trace", required=True, help="a Mooncake-format JSONL trace")
+    cap.add_argument("--trace", required=True, help=traces.help_text())
     cap.add_argument("--limit", type=int, default=None, help="only its first N requests")
     cap.add_argument("--block-tokens", type=int, default=capacity.TRACE_BLOCK_TOKENS,
                      help="tokens per hash id in the trace (default: %(default)s, Mooncake's)")
@@ -55,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rt.add_argument("--rate", type=float, required=True, help="requests per second to serve")
     rt.add_argument("--input", type=float, default=None, help="mean prompt tokens (or --trace)")
     rt.add_argument("--output", type=float, default=None, help="mean output tokens (or --trace)")
-    rt.add_argument("--trace", default=None, help="take the means (and the unbounded hit ratio) from this trace")
+    rt.add_argument("--trace", default=None,
+                    help=traces.help_text("take the means (and the unbounded hit ratio) from this trace"))
     rt.add_argument("--hit-ratio", type=float, default=None,
                     help="share of prompt tokens the store gives (default: the trace's unbounded ratio, else 0)")
     rt.add_argument("--prefill-tokens-per-s", type=float, default=None, help="one prefill replica's throughput")

@@ -108,7 +108,7 @@ def stage_processes() -> multiprocessing.context.BaseContext:
     """Where stage processes come from: a fork server (Linux) that has imported what stages
     import, else ``spawn``. The fork server is single-threaded and has run no OpenMP region, so
     each child starts its own thread pools; it exits once the launcher and its children have.
-    ``$PDFLOW_STAGE_START=spawn`` spawns them instead (to compare: scripts/bench_startup.py)."""
+    ``$PDFLOW_STAGE_START=spawn`` spawns them instead (to compare: experiments/bench_startup.py)."""
     if "forkserver" not in multiprocessing.get_all_start_methods() or os.environ.get("PDFLOW_STAGE_START") == "spawn":
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")

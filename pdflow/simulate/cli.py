@@ -6,6 +6,9 @@ routers and scaler, reported as ``pdflow bench serve`` reports a real run.
     pdflow simulate --profile my-machine.json --synthetic 500 --rate 2 --input 1024 --output 64 --prefill 1 --decode 1
     pdflow simulate ... --sweep 2:6 4:4 6:2        (P:D splits of the same replicas, side by side)
     pdflow simulate ... --mode colocated --workers 8 [--chunked-prefill-tokens 512]   (the baseline)
+
+Traces are Mooncake's (github.com/kvcache-ai/Mooncake, FAST25-release/traces/, Apache License 2.0):
+    curl -LO https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces/conversation_trace.jsonl
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from pdflow.bench import traces
+
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
@@ -23,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True, type=Path, help="stage costs: a `pdflow profile` file or one "
                    "written for another machine (profiles/ ships examples)")
     load = p.add_argument_group("load (one of)")
-    load.add_argument("--trace", help="a Mooncake-format JSONL trace")
+    load.add_argument("--trace", help=traces.help_text())
     load.add_argument("--synthetic", type=int, metavar="N", help="N Poisson arrivals (with --rate, --input, --output)")
     load.add_argument("--limit", type=int, default=None, help="only the trace's first N requests")
     load.add_argument("--speed", type=float, default=1.0, help="replay the trace this many times as fast (default 1)")

@@ -1,4 +1,5 @@
-"""The requests a simulation replays: a Mooncake-format trace, or a synthetic Poisson workload."""
+"""The requests a simulation replays: a Mooncake-format trace (Mooncake's own:
+:mod:`pdflow.bench.traces` says where to get them), or a synthetic Poisson workload."""
 
 from __future__ import annotations
 

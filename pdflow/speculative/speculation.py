@@ -13,7 +13,7 @@ this step):
   of a step: ``row_cost`` (one more row against a one-row step; 0.25 by default, as measured here
   with the default ``int4-a16-blocked`` weights: a 400-token sequence's pass took 4.6 ms for one
   row, 5.6 for two, 8.3 for four, 14.8 for eight, 0.21-0.31 a further row,
-  scripts/profile_verify_rows.py; 0.4 with ``int4-a16``) at batch 1, rising with the batch, ``row_cost * B / (1 + row_cost * (B -
+  experiments/profile_verify_rows.py; 0.4 with ``int4-a16``) at batch 1, rising with the batch, ``row_cost * B / (1 + row_cost * (B -
   1))`` (0.73 at batch 8): on a CPU already computing, not waiting on memory, more rows cost about
   what they add, so a larger batch drafts only where nearly every draft token is kept. A sequence whose drafts keep failing drafts nothing;
   every ``probe_every`` steps it drafts one token again, to notice when its output starts

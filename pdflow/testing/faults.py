@@ -1,6 +1,6 @@
 """Faults against a running `pdflow run` (a :class:`~pdflow.testing.server.PdflowServer`): load
 whose every request is accounted for, faults to inject under it, and the invariants that must
-hold after each. Used by tests/test_faults.py (bounded) and scripts/reliability.py (at length).
+hold after each. Used by tests/test_faults.py (bounded) and experiments/reliability.py (at length).
 
 Every request of the load ends one of four ways:
 

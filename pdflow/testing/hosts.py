@@ -1,7 +1,7 @@
 """A pipeline over several hosts on one machine: each host a network namespace
 (:class:`~pdflow.testing.netns.Namespaces`), each started by its own ``pdflow run topology.toml
 --node NAME`` in that namespace, as an operator would on each machine. What the multi-host tests
-and ``scripts/experiment_hosts.py`` share.
+and ``experiments/experiment_hosts.py`` share.
 
     with Namespaces(["head", "gpu1"], bandwidth="10gbit") as net:
         cluster = Cluster(net, workdir, lambda secret: hosts_topology(net, secret, placement))

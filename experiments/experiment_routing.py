@@ -11,32 +11,33 @@ a request sent to a store that holds less of its prefix than another fetches the
 cache_aware_no_fetch: it recomputes it), TTFT p50 and p99, goodput under the SLOs; then each
 policy's goodput over round robin's, per repetition and as their median.
 
-    .venv/bin/python scripts/experiment_routing.py --out bench-results/routing
-    .venv/bin/python scripts/experiment_routing.py --time-scale 16 --repeats 2
-    .venv/bin/python scripts/experiment_routing.py --parts fetch   # a prefix fetched against computed
+    .venv/bin/python experiments/experiment_routing.py --out bench-results/routing
+    .venv/bin/python experiments/experiment_routing.py --time-scale 16 --repeats 2
+    .venv/bin/python experiments/experiment_routing.py --parts fetch   # a prefix fetched against computed
 
 Part fetch: prompts of --fetch-tokens tokens, each sent twice, once computed on one store and then,
 one token longer, on the other store, which fetches the prefix from the first: how long the fetch
 took (the store's log) against how long prefill took to compute it.
 
 Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json.
+
+The trace (``--trace``, default ``../shared/traces/conversation_trace.jsonl`` beside the checkout) is
+Mooncake's conversation trace (github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/``, Apache
+License 2.0); ``--help`` gives the command that fetches it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from pdflow.bench.experiments import Report, bench, figure
-from pdflow.testing.server import PdflowServer, replicated_ports, replicated_topology
+from pdflow.bench.experiments import (Report, add_slo_arguments, add_trace_argument, bench, experiment_parser, figure,
+                                      require_trace, serving)
+from pdflow.testing.server import replicated_ports, replicated_topology
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 # name -> (router policy, its options)
 ROUTERS = {"round_robin": ("round_robin", {}), "least_loaded": ("least_loaded", {}),
            "cache_aware": ("cache_aware", {}),  # a store fetches a prefix another one holds
@@ -64,19 +65,20 @@ block_tokens = {block_tokens}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("bench-results/routing"))
+    p = experiment_parser(__doc__, "routing")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"of {', '.join(ROUTERS)}")
     p.add_argument("--conversations", type=int, default=40, help="conversations sampled from the trace")
     p.add_argument("--token-scale", type=float, default=0.03125, help="trace lengths (and 512-token blocks) times this")
     p.add_argument("--time-scale", type=float, default=16, help="replay this many times faster than the trace")
-    p.add_argument("--slo-ttft", type=float, default=10000, help="ms")
-    p.add_argument("--slo-tbt", type=float, default=500, help="ms")
+    add_slo_arguments(p, ttft_ms=10000, tbt_ms=500)
+    add_trace_argument(p)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--parts", default="routing", help="routing, fetch (comma-separated)")
     p.add_argument("--fetch-tokens", default="1024,2048,4096", help="prompt lengths of part fetch")
     opts = p.parse_args()
+    if "routing" in opts.parts.split(","):
+        require_trace(opts.trace)
     return REPORT.run("Cache-aware routing", {"routing": part_routing, "fetch": part_fetch}, opts)
 
 
@@ -86,8 +88,7 @@ def part_fetch(opts, out: Path) -> None:
     import httpx
 
     lengths = [int(n) for n in opts.fetch_tokens.split(",")]
-    with tempfile.TemporaryDirectory() as tmp, \
-            PdflowServer(Path(tmp), topology=topology("away", 64, 900), ports=replicated_ports(REPLICAS)) as server:
+    with serving(topology=topology("away", 64, 900), ports=replicated_ports(REPLICAS)) as server:
         rows = []
         for n in lengths:
             prompt = [(i * 7919 + n) % 40000 + 1000 for i in range(n)]  # plain token ids, no special tokens
@@ -135,10 +136,10 @@ def part_routing(opts, out: Path) -> None:
     if unknown:
         raise SystemExit(f"--policies: {', '.join(unknown)} not one of {', '.join(ROUTERS)}")
     block = block_size(opts.token_scale)
-    argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--token-scale", str(opts.token_scale),
+    argv = ["--dataset", "trace", "--dataset-path", str(opts.trace), "--token-scale", str(opts.token_scale),
             "--time-scale", str(opts.time_scale), "--sample-conversations", str(opts.conversations),
             "--seed", str(opts.seed), "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
-    rows = trace_rows(WorkloadSpec("trace", path=str(TRACE), token_scale=opts.token_scale,
+    rows = trace_rows(WorkloadSpec("trace", path=str(opts.trace), token_scale=opts.token_scale,
                                    sample_conversations=opts.conversations, seed=opts.seed))
     say(f"Mooncake conversation trace: every request of {opts.conversations} conversations picked at random "
         f"({len(rows)} requests over {(rows[-1]['timestamp'] - rows[0]['timestamp']) / 1000:.0f} s, replayed "
@@ -155,8 +156,7 @@ def part_routing(opts, out: Path) -> None:
         order = policies[run % len(policies):] + policies[:run % len(policies)]
         got = {}
         for policy in order:
-            with tempfile.TemporaryDirectory() as tmp, \
-                    PdflowServer(Path(tmp), topology=topology(policy, block, 900), ports=replicated_ports(REPLICAS)) as server:
+            with serving(topology=topology(policy, block, 900), ports=replicated_ports(REPLICAS)) as server:
                 got[policy] = bench(server.url, out / f"routing-{policy}-{run}.json", argv)["runs"][0]["metrics"]
                 time.sleep(1.5)  # a heartbeat after the last request
                 stats = [info.get("stats", {}) for name, info in (server.health() or {}).get("stages", {}).items()

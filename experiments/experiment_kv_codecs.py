@@ -18,12 +18,11 @@ and decode are inside every figure). Each warm request's line also says where it
 ``--prefill-cores 0,1`` pins prefill to both cores instead of core 0 (as on a host of its own);
 ``--block-tokens N`` sets the store's block size (a warm prompt recomputes its last block).
 
-    .venv/bin/python scripts/experiment_kv_codecs.py --out bench-results/kv-codecs
+    .venv/bin/python experiments/experiment_kv_codecs.py --out bench-results/kv-codecs
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -34,11 +33,10 @@ from pathlib import Path
 
 import httpx
 
-from pdflow.bench.experiments import Report
+from pdflow.bench.experiments import Report, experiment_parser
 from pdflow.testing.server import PdflowServer
 from pdflow.timeline import kv_summary
 
-ROOT = Path(__file__).resolve().parents[1]
 REPORT = Report()
 say = REPORT.say
 
@@ -153,8 +151,7 @@ def _link(opts, out: Path, bandwidth: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "kv-codecs")
+    parser = experiment_parser(__doc__, "kv-codecs")
     parser.add_argument("--parts", default="link")
     parser.add_argument("--codecs", nargs="+", default=["none", "int8", "int4", "store:int8"],
                         help="codec specs on every link, store:SPEC for the store's, decode:SPEC on the link "

@@ -1,6 +1,6 @@
 """Decode's step time as requests see it, on servers of different data planes, alternating.
 
-    .venv/bin/python scripts/compare_decode_steps.py --transports tcp shm --rounds 2
+    .venv/bin/python experiments/compare_decode_steps.py --transports tcp shm --rounds 2
 
 For each round and transport it starts the default topology with that transport on every link
 (over shm, decode attends from the KV store's own blocks: zero copies), holds a short chat of
@@ -11,13 +11,9 @@ answer, from the request's timeline (``/debug/timeline``: ``decode.steps``).
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-from pathlib import Path
-
 import httpx
 
-from pdflow.testing.server import PdflowServer
+from pdflow.bench.experiments import experiment_parser, serving
 
 
 def _turns(url: str, turns: int, words: int) -> tuple[list[float], int]:
@@ -36,7 +32,7 @@ def _turns(url: str, turns: int, words: int) -> tuple[list[float], int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = experiment_parser(__doc__)
     parser.add_argument("--transports", nargs="+", default=["tcp", "shm"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--turns", type=int, default=3)
@@ -44,7 +40,7 @@ def main() -> int:
     opts = parser.parse_args()
     for _ in range(opts.rounds):
         for transport in opts.transports:
-            with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), transport=transport) as server:
+            with serving(transport=transport) as server:
                 per_step, prompt = _turns(server.url, opts.turns, opts.words)
             print(f"{transport}: ms per decode step, by turn: {[round(t, 2) for t in per_step]} "
                   f"(last prompt {prompt} tokens)", flush=True)

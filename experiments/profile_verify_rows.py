@@ -2,18 +2,18 @@
 verify pass runs, ``PagedDecodeBatch._forward_rows``) with the head timed apart, then each product
 of the first layer and the head alone, from cache, by rows.
 
-    GOMP_SPINCOUNT=300000 .venv/bin/python scripts/profile_verify_rows.py --context 400
+    GOMP_SPINCOUNT=300000 .venv/bin/python experiments/profile_verify_rows.py --context 400
 
 A row's cost against a one-row step is speculation's ``row_cost`` (pdflow/speculative/speculation.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+from pdflow.bench.experiments import experiment_parser
 from pdflow.engine import Sampler, Sequence, load_model, prefill
 from pdflow.engine.paged import KvPool, PagedDecodeBatch
 from pdflow.kv.arena import ArenaLayout
@@ -44,7 +44,7 @@ def _batch(loaded, context: int) -> PagedDecodeBatch:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = experiment_parser(__doc__)
     parser.add_argument("--context", type=int, default=400)
     parser.add_argument("--weights", default=None)
     parser.add_argument("--repeat", type=int, default=20)

@@ -3,7 +3,7 @@ another build of qgemm.c (e.g. one compiled from an earlier commit), alternating
 
     git show OLD:pdflow/kernels/qgemm.c > /tmp/old.c
     gcc -O3 -march=native -fopenmp -shared -fPIC -o /tmp/old.so /tmp/old.c -lm
-    .venv/bin/python scripts/compare_kernel_builds.py /tmp/old.so
+    .venv/bin/python experiments/compare_kernel_builds.py /tmp/old.so
 
 A layer's four products (QKV 960x576, output 576x576, gate/up 3072x576, down 576x1536) use 2.8 MB
 of int4 weights, which stay in the caches: this times the kernels' arithmetic, not memory (the
@@ -20,7 +20,6 @@ the caches keep between calls, so this is the step from memory.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import statistics
 import time
@@ -28,6 +27,7 @@ import time
 import torch
 
 from pdflow import kernels
+from pdflow.bench.experiments import experiment_parser
 from pdflow.engine.weights import registry
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) of a SmolLM2 layer
@@ -35,7 +35,7 @@ LAYERS = 30
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = experiment_parser(__doc__)
     parser.add_argument("other", help="a shared library built from another qgemm.c")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)

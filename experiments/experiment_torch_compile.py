@@ -8,12 +8,11 @@ in ``torch.compile`` (inductor, ``dynamic=True`` so that new positions do not re
 time of its first calls (the compilation) apart from the steady step time; and a 512-token
 prefill both ways.
 
-    .venv/bin/python scripts/experiment_torch_compile.py --weights fp32 int4-a16
+    .venv/bin/python experiments/experiment_torch_compile.py --weights fp32 int4-a16
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -22,6 +21,7 @@ import time
 import torch
 
 from pdflow.bench.engine import _Discard
+from pdflow.bench.experiments import experiment_parser
 from pdflow.engine import DecodeBatch, Sampler, Sequence, load_model
 from pdflow.engine.paged import KvPool, PagedDecodeBatch
 from pdflow.kv.arena import ArenaLayout
@@ -83,7 +83,7 @@ def _prefill(model, tokens: int, repeats: int = 3) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = experiment_parser(__doc__)
     parser.add_argument("--weights", nargs="+", default=["fp32", "int4-a16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=256)

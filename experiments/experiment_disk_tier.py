@@ -11,34 +11,34 @@
    and how much of the disk read the queue hid (from the request timelines: how long prefill
    waited for the plan once it got to a request, against the store's disk read time).
 
-    .venv/bin/python scripts/experiment_disk_tier.py --out bench-results/disk-tier
-    .venv/bin/python scripts/experiment_disk_tier.py --parts prefetch --quick
+    .venv/bin/python experiments/experiment_disk_tier.py --out bench-results/disk-tier
+    .venv/bin/python experiments/experiment_disk_tier.py --parts prefetch --quick
 
 The disk tier lives under --disk-dir (default: a directory under /work, this machine's disk).
 Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json.
+
+The trace (``--trace``, default ``../shared/traces/conversation_trace.jsonl`` beside the checkout) is
+Mooncake's conversation trace (github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/``, Apache
+License 2.0); ``--help`` gives the command that fetches it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
-from pdflow.bench.experiments import Report, bench, figure
-from pdflow.testing.server import PdflowServer
+from pdflow.bench.experiments import (ROOT, Report, add_trace_argument, bench, experiment_parser, figure, require_trace,
+                                      serving)
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 REPORT = Report()
 say = REPORT.say
 
@@ -89,7 +89,7 @@ def _conversations(opts, out: Path) -> Path:
     (before scaling), so that the memory tier at 10% of the working set still holds a request."""
     import collections
 
-    rows = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in opts.trace.read_text().splitlines() if line.strip()]
     conversations = collections.defaultdict(list)
     for row in rows:
         conversations[tuple(row["hash_ids"][:2])].append(row)
@@ -133,8 +133,7 @@ def part_capacity(opts, out: Path) -> None:
             if tiers != "memory":
                 kv |= {"disk_path": str(_disk(opts, "capacity")), "disk_capacity": "8GiB", "disk_segment_bytes": "64MiB"}
             name = f"capacity-{int(share * 100)}-{'disk' if tiers != 'memory' else 'memory'}"
-            with tempfile.TemporaryDirectory() as tmp, \
-                    PdflowServer(Path(tmp), kv=kv, request_timeout_s=900) as server:
+            with serving(kv=kv, request_timeout_s=900) as server:
                 result = bench(server.url, out / f"{name}.json", argv)
                 stats = _stats(server)
             m = result["runs"][0]["metrics"]
@@ -184,7 +183,7 @@ def part_prefetch(opts, out: Path) -> None:
     for prefetch in (True, False):
         kv = {"store_bytes": memory, "disk_path": str(_disk(opts, "prefetch")), "disk_capacity": "8GiB",
               "disk_segment_bytes": "64MiB", "prefetch": prefetch}
-        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), kv=kv, request_timeout_s=900) as server:
+        with serving(kv=kv, request_timeout_s=900) as server:
             for doc in docs:
                 _complete(server.url, doc + [7, 7])
             samples, waited = [], 0.0
@@ -221,12 +220,12 @@ def part_prefetch(opts, out: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "disk-tier")
+    parser = experiment_parser(__doc__, "disk-tier")
     parser.add_argument("--parts", default="io,capacity,prefetch")
     parser.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
     parser.add_argument("--disk-dir", type=Path, default=Path("/work/pdflow-disk-tier-bench"))
     parser.add_argument("--io-total", default="2GiB")
+    add_trace_argument(parser)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--max-input", type=int, default=24000, help="capacity: the largest prompt, before scaling")
     parser.add_argument("--token-scale", type=float, default=0.03125)
@@ -238,6 +237,8 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.quick:
         opts.io_total, opts.conversations, opts.shares, opts.burst, opts.rounds = "256MiB", 10, [1.0, 0.1], 3, 1
+    if "capacity" in opts.parts.split(","):
+        require_trace(opts.trace)
     opts.disk_dir.mkdir(parents=True, exist_ok=True)
     try:
         return REPORT.run("pdflow disk tier experiment", {"io": part_io, "capacity": part_capacity,

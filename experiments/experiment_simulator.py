@@ -14,36 +14,35 @@
    colocated: the mixed load through the colocated worker (both cores, ``--colocated-profile``,
    measured with ``pdflow profile --threads 2``), real and simulated.
 
-    .venv/bin/python scripts/experiment_simulator.py --out bench-results/simulator
-    .venv/bin/python scripts/experiment_simulator.py --parts mixed --rates 0.5,1 --num-prompts 40
+    .venv/bin/python experiments/experiment_simulator.py --out bench-results/simulator
+    .venv/bin/python experiments/experiment_simulator.py --parts mixed --rates 0.5,1 --num-prompts 40
 
 Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json. ``--resimulate``
 simulates again what an earlier run in <out> measured (its serve-*.json and profiles), measuring
 nothing: for a changed simulator.
+
+The trace (``--trace``, default ``../shared/traces/conversation_trace.jsonl`` beside the checkout) is
+Mooncake's conversation trace (github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/``, Apache
+License 2.0); ``--help`` gives the command that fetches it.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from pdflow.bench.experiments import Report, bench, figure
+from pdflow.bench.experiments import (Report, add_slo_arguments, add_trace_argument, bench, experiment_parser, figure,
+                                      require_trace, serving)
 from pdflow.kv.blocks import BlockHasher
 from pdflow.simulate.cluster import Deployment
 from pdflow.simulate.profile import Profile
 from pdflow.simulate.run import simulate
 from pdflow.simulate.workload import SimRequest
-from pdflow.testing.server import PdflowServer
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 BLOCK = 64  # the store's kv.block_tokens in the default topology
 REPORT = Report()
 say = REPORT.say
@@ -106,8 +105,7 @@ def measured(out: Path, name: str, url_argv: tuple[str, list[str]] | None) -> di
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("bench-results/simulator"))
+    p = experiment_parser(__doc__, "simulator")
     p.add_argument("--profile", type=Path, default=None, help="use this profile instead of measuring one")
     p.add_argument("--parts", default="mixed,trace,colocated")
     p.add_argument("--resimulate", action="store_true", help="simulate <out>'s measured runs again")
@@ -117,17 +115,18 @@ def main() -> int:
                    help="the colocated worker's profile (default: measure one with --threads 2)")
     p.add_argument("--rates", default="0.5,1,1.5")
     p.add_argument("--num-prompts", type=int, default=60)
-    p.add_argument("--slo-ttft", type=float, default=4000.0)
-    p.add_argument("--slo-tbt", type=float, default=100.0)
+    add_slo_arguments(p, ttft_ms=4000.0, tbt_ms=100.0)
+    add_trace_argument(p)
     p.add_argument("--trace-limit", type=int, default=200)
     p.add_argument("--conversations", type=int, default=0,
                    help="trace: every request of this many conversations picked at random (0: the first requests)")
     p.add_argument("--token-scale", type=float, default=0.05)
     p.add_argument("--time-scale", type=float, default=2.0)
     opts = p.parse_args()
+    if "trace" in opts.parts.split(",") and not opts.resimulate:
+        require_trace(opts.trace)
     opts.out.mkdir(parents=True, exist_ok=True)
-    say(f"# The simulator against this machine ({time.strftime('%Y-%m-%d %H:%M')})")
-    say(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
+    REPORT.header("The simulator against this machine")
     profile_path = opts.profile or opts.out / "profile.json"
     if opts.profile is None and not opts.resimulate:
         say(f"measuring: pdflow profile --out {profile_path}")
@@ -141,8 +140,7 @@ def main() -> int:
     slos = ["--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
     if "mixed" in parts or "trace" in parts:
         with contextlib.ExitStack() as stack:
-            server = None if opts.resimulate else \
-                stack.enter_context(PdflowServer(Path(stack.enter_context(tempfile.TemporaryDirectory()))))
+            server = None if opts.resimulate else stack.enter_context(serving())
             if "mixed" in parts:
                 argv = ["--dataset", "random", "--input-len-range", "128:1024", "--output-len-range", "32:64",
                         "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", opts.rates, *slos]
@@ -153,7 +151,7 @@ def main() -> int:
             if "trace" in parts:
                 picked = (["--sample-conversations", str(opts.conversations), "--seed", "1"]
                           if opts.conversations else [])
-                argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--limit", str(opts.trace_limit), *picked,
+                argv = ["--dataset", "trace", "--dataset-path", str(opts.trace), "--limit", str(opts.trace_limit), *picked,
                         "--token-scale", str(opts.token_scale), "--time-scale", str(opts.time_scale), "--save-prompts",
                         *slos]
                 trace = measured(opts.out, "serve-trace.json", server and (server.url, argv))
@@ -176,7 +174,7 @@ def main() -> int:
         if opts.resimulate:
             runs = measured(opts.out, "serve-colocated.json", None)
         else:
-            with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), mode="colocated") as server:
+            with serving(mode="colocated") as server:
                 runs = measured(opts.out, "serve-colocated.json", (server.url, argv))
         for rate, run in zip(opts.rates.split(","), runs["runs"]):
             results.append(compare(f"colocated worker, mixed, {rate} req/s", run, colocated, opts.slo_ttft,

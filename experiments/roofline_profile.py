@@ -2,7 +2,7 @@
 """Write a simulator profile for hardware that is not here, from its datasheet and the model's
 shape (a roofline with stated efficiencies), not from a measurement:
 
-    .venv/bin/python scripts/roofline_profile.py --out profiles/h100x8-llama-3-70b-roofline.json
+    .venv/bin/python experiments/roofline_profile.py --out profiles/h100x8-llama-3-70b-roofline.json
 
 A replica is ``--gpus`` GPUs in tensor parallel. Prefill is compute-bound: ``2 x parameters``
 FLOPs a token plus causal attention's ``2 x layers x heads x head_dim x n^2`` for ``n`` tokens, at
@@ -16,13 +16,13 @@ decode): a planning assumption, stated in the profile's ``source``, to be replac
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pdflow.bench.experiments import experiment_parser  # noqa: E402
 from pdflow.plan.kv_bytes import size_of  # noqa: E402
 from pdflow.plan.shapes import lookup  # noqa: E402
 
@@ -31,7 +31,7 @@ HEADS = {"llama-3-70b": 64, "llama-3-8b": 32, "llama-3.1-405b": 128, "qwen2.5-72
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = experiment_parser(__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default="llama-3-70b", help=f"one of {', '.join(HEADS)}")
     p.add_argument("--gpus", type=int, default=8, help="GPUs per replica, tensor parallel (default 8)")
@@ -65,7 +65,7 @@ def main() -> int:
         "source": (f"roofline, not measured: {args.gpus} GPUs in tensor parallel at {args.tflops:g} TFLOP/s dense BF16 "
                    f"and {args.tb_per_s:g} TB/s each (NVIDIA H100 SXM datasheet), prefill at {args.mfu:.0%} of peak "
                    f"FLOP/s, decode at {args.mbu:.0%} of memory bandwidth; {shape.name} shape from its config.json; "
-                   f"BF16 weights and KV; scripts/roofline_profile.py"),
+                   f"BF16 weights and KV; experiments/roofline_profile.py"),
         "layers": shape.layers, "kv_bytes_per_token": kv_token,
         "prefill": {"tokens": tokens, "seconds": [prefill_s(n) for n in tokens]},
         "decode": {"batch": batches, "context": contexts,

@@ -6,20 +6,16 @@ the other, on the multi-turn mode (chat sessions that send their answers back), 
 workload: TPOT and output tokens per second without and with, their ratio, and the draft tokens
 the server reports as accepted (``usage.completion_tokens_details``).
 
-    .venv/bin/python scripts/experiment_speculative.py --out bench-results/speculative
+    .venv/bin/python experiments/experiment_speculative.py --out bench-results/speculative
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-from pdflow.bench.experiments import Report, bench, figure
-from pdflow.testing.server import PdflowServer
+from pdflow.bench.experiments import Report, bench, experiment_parser, figure, serving
 
-ROOT = Path(__file__).resolve().parents[1]
 REPORT = Report()
 say = REPORT.say
 
@@ -38,8 +34,7 @@ SETTINGS = {"off": "", "ngram": '\n[speculative]\nmethod = "ngram"\n'}
 def part_serve(opts, out: Path) -> None:
     results: dict[str, dict[str, dict]] = {name: {} for name in WORKLOADS}
     for setting, extra in SETTINGS.items():
-        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), mode=opts.mode, extra=extra,
-                                                                 request_timeout_s=600) as server:
+        with serving(mode=opts.mode, extra=extra, request_timeout_s=600) as server:
             for name, argv in WORKLOADS.items():
                 say(f"- speculation {setting}: {name}")
                 slug = name.replace(" ", "-")
@@ -63,8 +58,7 @@ def part_serve(opts, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "speculative")
+    parser = experiment_parser(__doc__, "speculative")
     parser.add_argument("--parts", default="serve")
     parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     opts = parser.parse_args(argv)

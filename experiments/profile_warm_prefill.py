@@ -1,7 +1,7 @@
 """Where a warm turn's prefill goes: ``prefill()`` of the tokens after a cached prefix, in this
 process, one thread, against a cold prefill of the whole prompt, with PyTorch's profiler.
 
-    taskset -c 0 .venv/bin/python scripts/profile_warm_prefill.py --cached 1024 --total 1100
+    taskset -c 0 .venv/bin/python experiments/profile_warm_prefill.py --cached 1024 --total 1100
 
 Time in pdflow's C kernels (e.g. turning int4 matrices into fp32 for sgemm) is invisible to the
 profiler: it shows as the gap between the profiled total and the wall time.
@@ -9,19 +9,19 @@ profiler: it shows as the gap between the profiled total and the wall time.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 from torch.profiler import profile
 
+from pdflow.bench.experiments import experiment_parser
 from pdflow.engine import Sampler, load_model, prefill
 from pdflow.messages import SamplingParams
 from pdflow.models import resolve
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = experiment_parser(__doc__)
     parser.add_argument("--weights", default="int4-a16")
     parser.add_argument("--cached", type=int, default=1024)
     parser.add_argument("--total", type=int, default=1100)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """pdflow against llama.cpp's server on the same CPU, the same model and the same prompts.
 
-    .venv/bin/python scripts/experiment_vs_llama_cpp.py \
+    .venv/bin/python experiments/experiment_vs_llama_cpp.py \
         --llama-cpp-python /path/to/venv-with-llama-cpp-python/bin/python \
         --gguf SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -21,12 +21,9 @@ It ignores `ignore_eos`, so its answers may end early: the token counts are its 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,10 +31,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 
-from pdflow.bench.experiments import Report, bench, figure  # noqa: E402
-from pdflow.testing.server import PdflowServer, free_port_base  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from pdflow.bench.experiments import ROOT, Report, bench, experiment_parser, figure, serving  # noqa: E402
+from pdflow.testing.server import free_port_base  # noqa: E402
 REPORT = Report()
 say = REPORT.say
 
@@ -50,7 +45,7 @@ def _workload(opts, concurrency: int) -> list[str]:
 
 def _pdflow(opts, mode: str) -> dict[int, dict]:
     out = {}
-    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), mode=mode) as server:
+    with serving(mode=mode) as server:
         for c in opts.concurrency:
             say(f"- pdflow {mode}, concurrency {c}")
             out[c] = bench(server.url, opts.out / f"pdflow-{mode}-c{c}.json", _workload(opts, c))
@@ -104,7 +99,7 @@ def _metrics(result: dict) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = experiment_parser(__doc__, "vs-llama-cpp")
     parser.add_argument("--llama-cpp-python", required=True, help="an interpreter with llama-cpp-python[server]")
     parser.add_argument("--gguf", required=True, type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16])
@@ -113,12 +108,9 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--waves", type=int, default=3, help="requests per run = waves x concurrency")
     parser.add_argument("--min-prompts", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "vs-llama-cpp")
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
-    say(f"# pdflow vs llama.cpp's server ({time.strftime('%Y-%m-%d %H:%M')}, load average "
-        f"{os.getloadavg()[0]:.2f}, {os.cpu_count()} cores)")
-    say(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
+    REPORT.header("pdflow vs llama.cpp's server")
     say(f"prompts: {opts.input_len} tokens (text), {opts.output_len} output tokens, {opts.waves} x concurrency requests")
     say("- the bare engine's decode step (256-token sequences), before the servers")
     before = {threads: _bare_steps(opts.concurrency, threads) for threads in (1, 2)}

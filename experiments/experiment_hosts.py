@@ -21,15 +21,14 @@ Measured per configuration:
 
 Needs root and iproute2. This machine's kernel has no netem, so latency is not emulated.
 
-    .venv/bin/python scripts/experiment_hosts.py --out bench-results/hosts
-    .venv/bin/python scripts/experiment_hosts.py --bandwidths 10gbit --num-prompts 10   # a smoke run
+    .venv/bin/python experiments/experiment_hosts.py --out bench-results/hosts
+    .venv/bin/python experiments/experiment_hosts.py --bandwidths 10gbit --num-prompts 10   # a smoke run
 
 Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 
 
-from pdflow.bench.experiments import Report, bench, figure, one_prompt_timeline
+from pdflow.bench.experiments import Report, add_slo_arguments, bench, experiment_parser, figure, one_prompt_timeline
 from pdflow.testing.hosts import Cluster, hosts_topology
 from pdflow.testing.netns import Namespaces, unavailable
 from pdflow.timeline import kv_summary
@@ -115,15 +114,13 @@ def run_configuration(opts, name: str, bandwidth: str | None) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("bench-results/hosts"))
+    p = experiment_parser(__doc__, "hosts")
     p.add_argument("--bandwidths", default="10gbit,25gbit", help="tc rates of the spread configurations")
     p.add_argument("--kv-tokens", type=int, default=2048, help="the prompt whose KV tail is measured")
     p.add_argument("--input-range", default="32:512")
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--rate", type=float, default=0.4, help="requests per second")
-    p.add_argument("--slo-ttft", type=float, default=5000.0, help="ms")
-    p.add_argument("--slo-tbt", type=float, default=300.0, help="ms")
+    add_slo_arguments(p, ttft_ms=5000.0, tbt_ms=300.0)
     opts = p.parse_args()
     why = unavailable()
     if why:

@@ -1,8 +1,8 @@
 """The reliability figures of docs/reliability.md, at length: faults under load and a soak.
 
-    .venv/bin/python scripts/reliability.py                       # everything (about 25 minutes)
-    .venv/bin/python scripts/reliability.py --parts faults --rounds 2
-    .venv/bin/python scripts/reliability.py --parts soak --requests 3000
+    .venv/bin/python experiments/reliability.py                       # everything (about 25 minutes)
+    .venv/bin/python experiments/reliability.py --parts faults --rounds 2
+    .venv/bin/python experiments/reliability.py --parts soak --requests 3000
 
 faults: for each stage (prefill, kv-shuttle, decode, and an egress stage: this part's pipeline
 has one, so that it is covered too) and each fault (kill -9; SIGSTOP
@@ -19,15 +19,13 @@ everything to ``--out`` (JSON).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from pdflow.bench.experiments import experiment_parser, serving
 from pdflow.testing import faults
-from pdflow.testing.server import PdflowServer
 
 STAGES = ("prefill-0", "kv-shuttle-0", "decode-0", "egress-0")
 HEARTBEAT_TIMEOUT_S = 10  # PdflowServer's topology
@@ -35,7 +33,7 @@ HEARTBEAT_TIMEOUT_S = 10  # PdflowServer's topology
 
 def run_faults(rounds: int, clients: int) -> dict:
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), egress=True) as server:
+    with serving(egress=True) as server:
         shm_before = faults.shm_segments()
         for round_ in range(rounds):
             for stage in STAGES:
@@ -89,8 +87,7 @@ LINK = {"drop": 0.01, "corrupt": 0.02, "stall": 0.03, "stall_s": 1.0, "fault_see
 def run_link(seconds: float, clients: int) -> dict:
     """The prefill -> kv_shuttle link drops, corrupts and stalls chunks (``LINK``) under load with
     aborting and slow clients; requests time out after 20 s."""
-    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), link_options=LINK,
-                                                             request_timeout_s=20) as server:
+    with serving(link_options=LINK, request_timeout_s=20) as server:
         load = faults.Load(server.url, clients=clients, abort_ratio=0.15, slow_ratio=0.2, max_tokens=10,
                            bound_s=35).start()
         time.sleep(seconds)
@@ -108,7 +105,7 @@ def run_link(seconds: float, clients: int) -> dict:
 
 
 def run_soak(requests: int, clients: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
+    with serving() as server:
         warm = faults.Load(server.url, clients=clients, abort_ratio=0.3, max_tokens=8).start()
         while sum(warm.counts().values()) < 50:
             time.sleep(0.5)
@@ -134,7 +131,7 @@ def run_soak(requests: int, clients: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = experiment_parser(__doc__)
     parser.add_argument("--parts", default="faults,link,soak")
     parser.add_argument("--link-seconds", type=float, default=120, help="load on the faulty link (default 120)")
     parser.add_argument("--rounds", type=int, default=1, help="fault rounds over every stage (default 1)")

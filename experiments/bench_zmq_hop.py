@@ -4,12 +4,11 @@ uvloop process to a PULL in another, over loopback TCP. One small message every 
 (default 20), so each one wakes an idle receiver, as tokens spaced by decode steps do. The
 time is ``time.monotonic()`` sent inside the message and read on arrival (one clock per host).
 
-    .venv/bin/python scripts/bench_zmq_hop.py --messages 300
+    .venv/bin/python experiments/bench_zmq_hop.py --messages 300
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing
 import statistics
@@ -19,6 +18,8 @@ import time
 import uvloop
 import zmq
 import zmq.asyncio
+
+from pdflow.bench.experiments import experiment_parser
 
 STAMP = struct.Struct("d")
 
@@ -47,7 +48,7 @@ async def _send(address: str, count: int, every_s: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = experiment_parser(__doc__)
     parser.add_argument("--messages", type=int, default=300)
     parser.add_argument("--every-ms", type=float, default=20.0)
     parser.add_argument("--port", type=int, default=39555)

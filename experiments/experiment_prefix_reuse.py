@@ -15,8 +15,8 @@
 6. overhead: unique prompts (nothing to reuse) to two servers, reuse on and off, alternating
    request by request: what the store's bookkeeping adds to TTFT.
 
-    .venv/bin/python scripts/experiment_prefix_reuse.py --out bench-results/prefix-reuse
-    .venv/bin/python scripts/experiment_prefix_reuse.py --parts lookup,rag --quick
+    .venv/bin/python experiments/experiment_prefix_reuse.py --out bench-results/prefix-reuse
+    .venv/bin/python experiments/experiment_prefix_reuse.py --parts lookup,rag --quick
 
 llama.cpp (a separate install; it compiles for ~10 minutes):
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install 'llama-cpp-python[server]'
@@ -24,26 +24,26 @@ llama.cpp (a separate install; it compiles for ~10 minutes):
     ... --llama-cpp-url http://127.0.0.1:8080
 
 Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json.
+
+The trace (``--trace``, default ``../shared/traces/conversation_trace.jsonl`` beside the checkout) is
+Mooncake's conversation trace (github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/``, Apache
+License 2.0); ``--help`` gives the command that fetches it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from pdflow.bench.experiments import Report, bench, figure
-from pdflow.testing.server import PdflowServer
+from pdflow.bench.experiments import (Report, add_slo_arguments, add_trace_argument, bench, experiment_parser, figure,
+                                      require_trace, serving)
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 REPORT = Report()
 say = REPORT.say
 
@@ -115,7 +115,7 @@ def _run_designs(opts, out: Path, name: str, argv: list[str], kv: dict | None = 
     results = {}
     for design, config in _servers(opts).items():
         config = {**config, "kv": {**(kv or {}), **config.get("kv", {})}, "request_timeout_s": request_timeout_s}
-        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), **config) as server:
+        with serving(**config) as server:
             say(f"- {design}: {name}")
             results[design] = bench(server.url, out / f"{name}-{design.replace(' ', '-')}.json", argv)
     if opts.llama_cpp_url:
@@ -182,11 +182,10 @@ def part_blocks(opts, out: Path) -> None:
             "--max-concurrency", "1", "--seed", "2"]
     results = {}
     for bt in opts.block_sizes:
-        with tempfile.TemporaryDirectory() as tmp, \
-                PdflowServer(Path(tmp), kv={"block_tokens": bt}, request_timeout_s=600) as server:
+        with serving(kv={"block_tokens": bt}, request_timeout_s=600) as server:
             say(f"- pd reuse, {bt}-token blocks: multiturn")
             results[bt] = bench(server.url, out / f"blocks-{bt}.json", argv)
-    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), kv={"prefix_cache": False}) as server:
+    with serving(kv={"prefix_cache": False}) as server:
         say("- pd no reuse: multiturn")
         off = bench(server.url, out / "blocks-off.json", argv)["runs"][0]["metrics"]["ttft_ms"]["p50"]
     say()
@@ -209,11 +208,11 @@ def part_blocks(opts, out: Path) -> None:
 def part_trace(opts, out: Path) -> None:
     from pdflow.bench.workloads import WorkloadSpec, block_size, reusable_fraction, trace_rows
 
-    argv = ["--dataset", "trace", "--dataset-path", str(TRACE), "--token-scale", str(opts.trace_token_scale),
+    argv = ["--dataset", "trace", "--dataset-path", str(opts.trace), "--token-scale", str(opts.trace_token_scale),
             "--time-scale", str(opts.trace_time_scale), "--sample-conversations", str(opts.trace_conversations),
             "--seed", "5", "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
     block = block_size(opts.trace_token_scale)
-    spec = WorkloadSpec("trace", path=str(TRACE), token_scale=opts.trace_token_scale,
+    spec = WorkloadSpec("trace", path=str(opts.trace), token_scale=opts.trace_token_scale,
                         sample_conversations=opts.trace_conversations, seed=5)
     rows = trace_rows(spec)
     results = _run_designs(opts, out, "trace", argv, kv={"block_tokens": block}, request_timeout_s=900)
@@ -249,8 +248,7 @@ def part_capacity(opts, out: Path) -> None:
     rows = []
     for size in opts.capacities:
         for codec in opts.store_codecs:
-            with tempfile.TemporaryDirectory() as tmp, \
-                    PdflowServer(Path(tmp), kv={"store_bytes": size, "codec": codec}, request_timeout_s=600) as server:
+            with serving(kv={"store_bytes": size, "codec": codec}, request_timeout_s=600) as server:
                 result = bench(server.url, out / f"capacity-{size}-{codec}.json", argv)
                 stats = server.health()["stages"]["kv-shuttle-0"].get("stats", {})
             m = result["runs"][0]["metrics"]
@@ -279,8 +277,7 @@ def _ttft(url: str, prompt: list[int]) -> float:
 def part_overhead(opts, out: Path) -> None:
     rng = random.Random(4)
     prompts = [[rng.randrange(1000, 40000) for _ in range(opts.overhead_tokens)] for _ in range(opts.overhead_requests)]
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, \
-            PdflowServer(Path(a)) as on, PdflowServer(Path(b), kv={"prefix_cache": False}) as off:
+    with serving() as on, serving(kv={"prefix_cache": False}) as off:
         warm_up = [rng.randrange(1000, 40000) for _ in range(64)]
         _ttft(on.url, warm_up), _ttft(off.url, warm_up)
         pairs = []
@@ -305,8 +302,7 @@ def part_overhead(opts, out: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "prefix-reuse")
+    parser = experiment_parser(__doc__, "prefix-reuse")
     parser.add_argument("--parts", default="lookup,rag,multiturn,trace,capacity,overhead")
     parser.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
     parser.add_argument("--colocated", action="store_true", help="also the colocated worker, reuse on and off")
@@ -322,11 +318,11 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=2)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--first-len", type=int, default=1000)
+    add_trace_argument(parser)
     parser.add_argument("--trace-conversations", type=int, default=40)
     parser.add_argument("--trace-token-scale", type=float, default=0.03125)
     parser.add_argument("--trace-time-scale", type=float, default=20.0)
-    parser.add_argument("--slo-ttft", type=float, default=10000.0)
-    parser.add_argument("--slo-tbt", type=float, default=500.0)
+    add_slo_arguments(parser, ttft_ms=10000.0, tbt_ms=500.0)
     parser.add_argument("--capacity-sessions", type=int, default=8)
     parser.add_argument("--capacities", type=lambda s: s.split(","), default=["192MiB", "288MiB", "384MiB", "4GiB"])
     parser.add_argument("--store-codecs", type=lambda s: s.split(","), default=["none"],
@@ -337,6 +333,8 @@ def main() -> int:
     if opts.quick:
         opts.doc_len, opts.questions, opts.first_len, opts.turns, opts.trace_conversations = 300, 2, 200, 3, 4
         opts.capacity_sessions, opts.capacities, opts.overhead_requests = 2, ["96MiB", "4GiB"], 4
+    if "trace" in opts.parts.split(","):
+        require_trace(opts.trace)
     parts = {"lookup": part_lookup, "rag": part_rag, "multiturn": part_multiturn, "blocks": part_blocks,
              "trace": part_trace, "capacity": part_capacity, "overhead": part_overhead}
     return REPORT.run("pdflow prefix reuse experiment", parts, opts)

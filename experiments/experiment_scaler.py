@@ -17,17 +17,14 @@ time; a PNG (``--plot``): replicas, TTFT and TBT over time for the scaled run.
 Prefill replicas share core 0 and decode replicas core 1, as the default topology's one of each
 do: on this 2-core machine more replicas add concurrency, not compute.
 
-    .venv/bin/python scripts/experiment_scaler.py --out bench-results/scaler --plot
+    .venv/bin/python experiments/experiment_scaler.py --out bench-results/scaler --plot
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,8 +32,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from pdflow.bench.experiments import Report, figure
-from pdflow.testing.server import PdflowServer, replicated_ports, replicated_topology
+from pdflow.bench.experiments import Report, experiment_parser, figure, serving
+from pdflow.testing.server import replicated_ports, replicated_topology
 
 REPORT = Report()
 say = REPORT.say
@@ -147,10 +144,8 @@ def summarize(name: str, records: list[dict], opts) -> dict:
 
 
 def run_one(name: str, prefill: tuple[int, int], decode: tuple[int, int], opts) -> tuple[dict, list, list, list]:
-    with tempfile.TemporaryDirectory() as tmp, \
-            PdflowServer(Path(tmp), topology=topology(prefill, decode, opts),
-                         ports=replicated_ports({"prefill": prefill[1], "decode": decode[1]}),
-                         startup_timeout_s=400) as server:
+    with serving(topology=topology(prefill, decode, opts),
+                 ports=replicated_ports({"prefill": prefill[1], "decode": decode[1]}), startup_timeout_s=400) as server:
         samples: list = []
         stop = threading.Event()
         t0 = time.monotonic()
@@ -202,8 +197,7 @@ def plot(records: list, samples: list, opts, path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench-results/scaler"))
+    parser = experiment_parser(__doc__, "scaler")
     parser.add_argument("--rate", type=float, default=0.5, help="requests per second before and after the step")
     parser.add_argument("--step", type=float, default=4.0, help="the rate during the step, as a multiple")
     parser.add_argument("--before", type=float, default=30.0)
@@ -222,8 +216,7 @@ def main() -> int:
     parser.add_argument("--plot", action="store_true")
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
-    say(f"# Scaler on a load step ({time.strftime('%Y-%m-%d %H:%M')})")
-    say(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
+    REPORT.header("Scaler on a load step")
     say(f"load: {opts.rate:g} req/s for {opts.before:g} s, {opts.rate * opts.step:g} req/s for {opts.during:g} s, "
         f"{opts.rate:g} req/s for {opts.after:g} s; {opts.prompt_words}-word prompts, {opts.max_tokens} tokens; "
         f"SLO TTFT {opts.slo_ttft_ms:g} ms, TBT {opts.slo_tbt_ms:g} ms")

@@ -13,29 +13,30 @@ figures, as DistServe defines them:
 - **TTFT** p50 and p99 of each deployment at each speed, and PD's best / colocated's best at the
   speeds where both still meet the attainment.
 
-    .venv/bin/python scripts/experiment_pd_vs_colocated_sim.py \\
+    .venv/bin/python experiments/experiment_pd_vs_colocated_sim.py \\
         --profile profiles/h100x8-llama-3-70b-roofline.json --out bench-results/pd-vs-colocated-sim
 
 Prints a markdown report (also <out>/summary.md); every run's metrics in <out>/runs.json
 (``--from-runs FILE`` reports an earlier run's again, simulating nothing).
+
+The trace (``--trace``, default ``../shared/traces/conversation_trace.jsonl`` beside the checkout) is
+Mooncake's conversation trace (github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/``, Apache
+License 2.0); ``--help`` gives the command that fetches it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
-from pdflow.bench.experiments import Report
+from pdflow.bench.experiments import Report, add_slo_arguments, add_trace_argument, experiment_parser, require_trace
 from pdflow.simulate.cluster import Deployment
 from pdflow.simulate.profile import Profile
 from pdflow.simulate.run import capacity as capacity_at, simulate
 from pdflow.simulate.workload import from_trace
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 REPORT = Report()
 say = REPORT.say
 
@@ -76,10 +77,9 @@ def number(text: str):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = experiment_parser(__doc__, "pd-vs-colocated-sim")
     p.add_argument("--profile", type=Path, required=True)
-    p.add_argument("--trace", type=Path, default=TRACE)
-    p.add_argument("--out", type=Path, default=Path("bench-results/pd-vs-colocated-sim"))
+    add_trace_argument(p)
     p.add_argument("--replicas", type=int, default=100)
     p.add_argument("--splits", nargs="+", default=["60:40", "70:30", "80:20"])
     p.add_argument("--routers", nargs="+", default=["round_robin", "cache_aware"])
@@ -90,17 +90,17 @@ def main() -> int:
     p.add_argument("--speeds", nargs="+", type=float, default=[10, 20, 30, 40, 50])
     p.add_argument("--store-blocks", type=int, default=6000)
     p.add_argument("--block-tokens", type=int, default=512)
-    p.add_argument("--slo-ttft", type=float, default=2000.0)
-    p.add_argument("--slo-tbt", type=float, default=100.0)
+    add_slo_arguments(p, ttft_ms=2000.0, tbt_ms=100.0)
     p.add_argument("--attainment", type=float, default=0.9)
     p.add_argument("--limit", type=int, default=None, help="only the trace's first N requests")
     p.add_argument("--from-runs", type=Path, default=None, help="report this runs.json again, simulating nothing")
     opts = p.parse_args()
     opts.router_option = [(k, number(v)) for k, v in (o.split("=", 1) for o in opts.router_option)]
+    if opts.from_runs is None:
+        require_trace(opts.trace)
     opts.out.mkdir(parents=True, exist_ok=True)
     profile = Profile.load(opts.profile)
-    say(f"# PD against colocated, simulated ({time.strftime('%Y-%m-%d %H:%M')})")
-    say(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
+    REPORT.header("PD against colocated, simulated")
     say(f"profile: {profile.name} ({profile.source})")
     say(f"SLOs: TTFT <= {opts.slo_ttft:g} ms, TBT (Mooncake's) <= {opts.slo_tbt:g} ms; capacity: the load at which "
         f"{opts.attainment:.0%} of requests within both falls through")

@@ -1,7 +1,7 @@
 """Can this CPU's AMX tiles be used, and what does one tile product cost at the shapes a decode
 step's products would give it? (The next kernel step's evidence: docs/design.md, "Kernels".)
 
-    .venv/bin/python scripts/probe_amx.py
+    .venv/bin/python experiments/probe_amx.py
 
 Compiles a small C probe with the host's compiler (``-mamx-tile -mamx-int8``), asks the kernel
 for the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, without which the

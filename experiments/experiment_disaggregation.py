@@ -13,31 +13,31 @@
    hops: that last figure with tokens straight to ingress (the default) against through an
    egress stage, taken at the client's socket and after httpx's parse.
 
-    .venv/bin/python scripts/experiment_disaggregation.py --out bench-results/experiment
-    .venv/bin/python scripts/experiment_disaggregation.py --parts kv-tail,overhead --quick
+    .venv/bin/python experiments/experiment_disaggregation.py --out bench-results/experiment
+    .venv/bin/python experiments/experiment_disaggregation.py --parts kv-tail,overhead --quick
 
 Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json, plots to <out>/.
+
+The trace (``--trace``, default ``../shared/traces/conversation_trace.jsonl`` beside the checkout) is
+Mooncake's conversation trace (github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/``, Apache
+License 2.0); ``--help`` gives the command that fetches it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from pdflow.bench.experiments import Report, bench, figure, one_prompt_timeline
-from pdflow.testing.server import PdflowServer
+from pdflow.bench.experiments import (Report, add_slo_arguments, add_trace_argument, bench, experiment_parser, figure,
+                                      one_prompt_timeline, require_trace, serving)
 from pdflow.timeline import kv_summary, plot
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 DESIGNS = {
     "pd": {},
     "colocated": {"mode": "colocated"},
@@ -54,7 +54,7 @@ def _designs(out: Path, name: str, argv: list[str], plot: bool) -> dict[str, dic
     """Run ``pdflow bench serve`` with ``argv`` against each design, one after another."""
     results = {}
     for design, config in DESIGNS.items():
-        with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), **config) as server:
+        with serving(**config) as server:
             say(f"- {design}: {name}")
             plots = ["--plot-dir", str(out / f"plots-{design}-{name}")] if plot else []
             results[design] = _bench(server.url, out / f"serve-{design}-{name}.json", argv + plots)
@@ -136,7 +136,7 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 
 
 def part_trace(opts, out: Path) -> None:
-    trace = ["--dataset", "trace", "--dataset-path", str(TRACE), "--token-scale", "0.02",
+    trace = ["--dataset", "trace", "--dataset-path", str(opts.trace), "--token-scale", "0.02",
              "--time-scale", str(opts.trace_time_scale), "--limit", str(opts.trace_limit),
              "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
     results = _designs(out, "trace", trace, plot=True)
@@ -159,9 +159,7 @@ def part_kv_tail(opts, out: Path) -> None:
     link = {"bandwidth": opts.link_bandwidth, "latency": opts.link_latency}
     rows = []
     for streaming in ("layer", "request"):
-        with tempfile.TemporaryDirectory() as tmp, PdflowServer(
-            Path(tmp), kv_streaming=streaming, link_options=link, request_timeout_s=1200
-        ) as server:
+        with serving(kv_streaming=streaming, link_options=link, request_timeout_s=1200) as server:
             for tokens in opts.kv_tokens:
                 say(f"- kv_streaming={streaming}: a {tokens}-token prompt through a {opts.link_bandwidth} link")
                 timeline = one_prompt_timeline(server.url, tokens)
@@ -256,7 +254,7 @@ def part_overhead(opts, out: Path) -> None:
     batch, prompt_tokens, new_tokens = opts.batch, 128, 256  # long enough that all of them decode together
     prompts = [[(i * 31 + j * 7) % 40000 + 1000 for j in range(prompt_tokens)] for i in range(batch)]
     rounds, deltas = [], []
-    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
+    with serving() as server:
         # Interleaved: the bare loop (while the pipeline idles) and the pipeline take turns, so
         # that both see the same machine; this box's speed drifts by 30% within minutes.
         for _ in range(opts.overhead_rounds):
@@ -319,7 +317,7 @@ def part_hops(opts, out: Path) -> None:
     deltas = {(name, how): [] for name in names.values() for how in ("socket", "httpx")}
     for _ in range(opts.hop_rounds):
         for egress, name in names.items():
-            with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp), egress=egress) as server:
+            with serving(egress=egress) as server:
                 for _ in range(opts.hop_requests):
                     for how, stream in (("socket", lambda: _socket_arrivals(server.base, prompt, new_tokens)),
                                         ("httpx", lambda: _stream_arrivals(server.url, prompt, new_tokens))):
@@ -344,8 +342,7 @@ def part_hops(opts, out: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "experiment")
+    parser = experiment_parser(__doc__, "experiment")
     parser.add_argument("--parts", default="serve,trace,kv-tail,overhead,hops")
     parser.add_argument("--quick", action="store_true", help="fewer requests and smaller prompts (a smoke run)")
     parser.add_argument("--rates", default="0.4,0.8", help="request rates of part serve (default: %(default)s)")
@@ -353,8 +350,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of part serve (default: %(default)s)")
     parser.add_argument("--input-range", default="32:512")
     # SLOs from the engine's step (about 50 ms at batch 8 on one core): TBT 6x that, TTFT a few prefills
-    parser.add_argument("--slo-ttft", type=float, default=5000.0)
-    parser.add_argument("--slo-tbt", type=float, default=300.0)
+    add_slo_arguments(parser, ttft_ms=5000.0, tbt_ms=300.0)
+    add_trace_argument(parser)
     parser.add_argument("--trace-limit", type=int, default=40)
     parser.add_argument("--trace-time-scale", type=float, default=0.1)
     parser.add_argument("--kv-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8000])
@@ -368,6 +365,8 @@ def main() -> int:
     if opts.quick:
         opts.rates, opts.num_prompts, opts.input_range, opts.trace_limit, opts.repeats = "0.5", 4, "16:128", 4, 2
         opts.kv_tokens, opts.batch, opts.overhead_rounds, opts.hop_requests, opts.hop_rounds = [256], 4, 1, 2, 1
+    if "trace" in opts.parts.split(","):
+        require_trace(opts.trace)  # before an hour of part serve, not after
     parts = {"serve": part_serve, "trace": part_trace, "kv-tail": part_kv_tail, "overhead": part_overhead,
              "hops": part_hops}
     return REPORT.run("pdflow disaggregation experiment", parts, opts)

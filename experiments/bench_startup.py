@@ -3,26 +3,23 @@
 stages forked from the fork server (the default) beside stages spawned (``PDFLOW_STAGE_START=spawn``),
 alternating, ``--repeats`` times each; then the time a killed decode replica takes to be ready again.
 
-    .venv/bin/python scripts/bench_startup.py --repeats 5
+    .venv/bin/python experiments/bench_startup.py --repeats 5
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
+from pdflow.bench.experiments import experiment_parser, serving
 from pdflow.testing import faults
-from pdflow.testing.server import PdflowServer
 
 
 def ready_after(mode: str, restart: bool) -> tuple[float, float | None]:
     os.environ["PDFLOW_STAGE_START"] = mode
     began = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp, PdflowServer(Path(tmp)) as server:
+    with serving() as server:
         up = time.monotonic() - began
         back = None
         if restart:
@@ -34,7 +31,7 @@ def ready_after(mode: str, restart: bool) -> tuple[float, float | None]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = experiment_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     opts = parser.parse_args()
     results: dict[str, list[tuple[float, float | None]]] = {"forkserver": [], "spawn": []}
