@@ -24,10 +24,8 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from transformers import AutoConfig
-
 from pdflow import routing
-from pdflow.engine import load_tokenizer
+from pdflow.engine.loader import load_tokenizer, model_limits
 from pdflow.kv.blocks import BlockHasher
 from pdflow.kv.holdings import Holdings
 from pdflow.messages import (
@@ -100,13 +98,13 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
 
         model_dir = self.ctx.model_dir
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
-        config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir)
-        self.max_context = self.pipeline.model.context(int(getattr(config, "max_position_embeddings", 2048)))
+        max_positions, vocab_size = await asyncio.to_thread(model_limits, model_dir)
+        self.max_context = self.pipeline.model.context(max_positions)
         self.prompts = await asyncio.to_thread(PromptBuilder, self.tokenizer, self.max_context,
                                                self.pipeline.server.max_messages)
         self.api_key = self.keys.api_key if self.keys is not None else load_api_key(self.pipeline.security)
         self.served_name = self.pipeline.model.served_name
-        self.vocab_size = int(getattr(config, "vocab_size", 0)) or len(self.tokenizer)  # a row of logits' width
+        self.vocab_size = vocab_size or len(self.tokenizer)  # a row of logits' width
         self.token_texts = TokenTexts(self.tokenizer)
         self.fingerprint = system_fingerprint(self.pipeline.model.weights)
         self.timelines: OrderedDict[str, dict] = OrderedDict()

@@ -258,7 +258,7 @@ class PdflowServer:
                 raise RuntimeError(f"pdflow run exited with {self.proc.returncode}:\n{self.log()}")
             if self.healthy():
                 return self
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"pdflow run not ready in {self.startup_timeout_s} s:\n{self.log()}")
 
