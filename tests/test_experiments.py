@@ -85,3 +85,16 @@ def test_an_experiment_stops_before_any_server_when_its_trace_is_missing(tmp_pat
     assert done.returncode == 1
     assert "no such trace file" in done.stderr and "FAST25-release/traces/" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_within_benchmarks_md_names_one_of_its_headings() -> None:
+    text = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    anchors = {_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+    links = re.findall(r"\]\(#([^)]+)\)", text)
+    assert len(links) >= 20
+    assert sorted(set(links) - anchors) == []
