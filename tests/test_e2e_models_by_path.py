@@ -6,6 +6,7 @@ transformers' own model. Also what `pdflow validate` says of a GGUF, and what it
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -27,6 +28,16 @@ def tokenizer(model_dir):
     return load_tokenizer(model_dir)
 
 
+def _share_the_kernels(cache: Path) -> None:
+    """A fresh model cache whose compiled kernels are the session's (built once), so that the
+    server's stages do not compile them again (seconds of both cores)."""
+    from pdflow import kernels, paths
+
+    assert kernels.library() is not None, kernels.unavailable_reason()
+    cache.mkdir(parents=True)
+    (cache / "kernels").symlink_to(paths.cache_dir() / "kernels", target_is_directory=True)
+
+
 @pytest.mark.parametrize("arch,mode", [("qwen2", "disaggregated"), ("llama", "colocated")])
 def test_a_gguf_file_is_served_with_transformers_greedy_output(arch, mode, model_dir, tokenizer, tmp_path):
     model = tiny_model(arch, VOCAB, seed=3)
@@ -37,6 +48,7 @@ def test_a_gguf_file_is_served_with_transformers_greedy_output(arch, mode, model
     expected = tokenizer.decode(reference, skip_special_tokens=True)
     assert len(reference) == 12 and expected.strip()
     kwargs = {"mode": "colocated", "chunked_prefill_tokens": 64} if mode == "colocated" else {}
+    _share_the_kernels(tmp_path / "cache")
     flags = ("--model", str(gguf_file), "--set", 'model.weights="fp32"', "--served-model-name", "tiny")
     with PdflowServer(tmp_path, args=flags, env={"PDFLOW_CACHE_DIR": str(tmp_path / "cache")}, **kwargs) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
