@@ -37,6 +37,7 @@ from pdflow.kv.arena import ArenaLayout
 from pdflow.kv.blocks import answer_blocks
 from pdflow.kv.chunks import into_slots, slot_of, tokens_of_run
 from pdflow.messages import (
+    LATE_WRITES_S,
     DecodeRequest,
     KvDestination,
     KvInPlace,
@@ -54,8 +55,6 @@ from pdflow.stages.step_counts import CountsDecodeSteps
 from pdflow.transports.staging import Stager
 
 _ANSWER_WAIT_S = 30.0  # how long a finished request waits for kv-shuttle's KvReturnSlots
-_LATE_WRITES_S = 3.0  # pool slots of a request that ended before all its KV landed wait this long
-# before another request gets them: a chunk already on its way may still land there
 POOL = 0  # the pool's region; requests' own buffers (no pool) are 1, 2, ...
 
 
@@ -304,7 +303,7 @@ class DecodeStage(CountsDecodeSteps, Stage):
             self.pool.give(slots)
             self._grant_slots()
         else:
-            asyncio.get_running_loop().call_later(_LATE_WRITES_S, self._late_give_back, slots)
+            asyncio.get_running_loop().call_later(LATE_WRITES_S, self._late_give_back, slots)
 
     def _late_give_back(self, slots: list[int]) -> None:
         self.pool.give(slots)

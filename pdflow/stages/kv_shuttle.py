@@ -33,8 +33,9 @@ time (:func:`_fetch_timeout_s`): the blocks not fetched are computed, and slots 
 still reach are quarantined.
 
 A cancel, a failure or a lease deadline (a holder that died) drops the leases too; the slots the
-request was writing are then reused only after a quarantine (``_LATE_WRITES_S``), since a chunk on
-its way, a forward pass or a decode step computing in place may still write into them.
+request was writing are then reused only after a quarantine
+(:data:`~pdflow.messages.LATE_WRITES_S`), since a chunk on its way, a forward pass or a decode step
+computing in place may still write into them.
 
 With a disk tier (``kv.disk_path``) every committed block is also written to disk in the
 background (:mod:`pdflow.kv.tiering`), and a request whose prefix continues on disk past its
@@ -63,6 +64,7 @@ from pdflow.kv.layout import KEYS, VALUES, KvLayout
 from pdflow.kv.store import KvStore, Lease, StoreFull
 from pdflow.kv.tiering import DiskBackedStore
 from pdflow.messages import (
+    LATE_WRITES_S,
     KvChunkHeader,
     KvDestination,
     KvExpected,
@@ -85,7 +87,6 @@ ARENA = 0  # the region the arena is registered as
 _EXPIRY_INTERVAL_S = 1.0
 _ANSWER_TTL_S = 60.0  # how long decode gets to write an answer's blocks
 _ARRIVING_WAIT_S = 2.0  # how long a request waits for an answer's blocks already on their way
-_LATE_WRITES_S = 3.0  # the slots of a request that ended unfinished are reused only after this long
 _DISK_EXPIRY_EVERY_S = 30.0  # how often expired blocks on disk are overwritten
 _DRAIN_ON_STOP_S = 5.0  # a clean stop writes what is queued for disk, for at most this long
 _HOLDINGS_EVERY_S = 0.25  # how often the store's changes go to ingress (cache-aware routing), at most
@@ -394,13 +395,13 @@ class KvShuttleStage(Stage):
         except asyncio.TimeoutError:
             fetch.failed = True
         except BaseException:  # cancelled: a write may still land in these slots
-            self.store.release((rid, "fetch"), _LATE_WRITES_S)
+            self.store.release((rid, "fetch"), LATE_WRITES_S)
             raise
         finally:
             self.fetches.pop(fetch_id, None)
         if fetch.failed:  # nothing of it is trusted, and a late write may still land
             self.fetch_counts["peer_fetches_failed"] += 1
-            self.store.release((rid, "fetch"), _LATE_WRITES_S)
+            self.store.release((rid, "fetch"), LATE_WRITES_S)
             self.log.warning("store.fetch_failed", request_id=rid, peer=peer, blocks=wanted,
                              ms=round(1000 * (time.monotonic() - began), 1))
             return False
@@ -737,7 +738,7 @@ class KvShuttleStage(Stage):
 
     def _free(self, entry: _Entry, unfinished: bool) -> None:
         rid = entry.request.request_id
-        quarantine = _LATE_WRITES_S if unfinished else 0.0
+        quarantine = LATE_WRITES_S if unfinished else 0.0
         self.store.release(rid, quarantine)
         self.store.release((rid, "answer"), quarantine)
         self.computing.done(entry.writer)  # stored, or never will be: whoever waits goes on
@@ -773,7 +774,7 @@ class KvShuttleStage(Stage):
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(_EXPIRY_INTERVAL_S)
-            for owner in self.store.expire(quarantine_s=_LATE_WRITES_S):
+            for owner in self.store.expire(quarantine_s=LATE_WRITES_S):
                 rid = owner[0] if isinstance(owner, tuple) else owner
                 self.log.warning("store.lease_expired", request_id=rid)
                 self._end(rid, unfinished=True)
