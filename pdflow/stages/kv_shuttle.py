@@ -61,6 +61,7 @@ from pdflow.kv.disk import DiskInUse, DiskTier
 from pdflow.kv.holdings import Journal, pack_ids
 from pdflow.kv.in_flight import InFlight, Writer
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
+from pdflow.kv.lease_owner import LeaseKind, LeaseOwner
 from pdflow.kv.store import KvStore, Lease, StoreFull
 from pdflow.kv.tiering import DiskBackedStore
 from pdflow.messages import (
@@ -99,23 +100,21 @@ def _fetch_timeout_s(nbytes: int) -> float:
     return _FETCH_WAIT_S + nbytes / _FETCH_SLOWEST_BYTES_PER_S
 
 
-def lease_kinds(owners) -> dict[str, int]:
-    """How many leases of each holder: requests (their prompt), answers being written back,
+_LEASES_BY_KIND = {LeaseKind.REQUEST: "leases_requests", LeaseKind.ANSWER: "leases_answers",
+                   LeaseKind.FETCH: "leases_fetching", LeaseKind.LOAD: "leases_loading",
+                   LeaseKind.SERVE: "leases_serving"}
+# the leases whose expiry ends a request here (not a load's: it ends with its own call, nor a serve's)
+_ENDS_ITS_REQUEST = (LeaseKind.REQUEST, LeaseKind.ANSWER, LeaseKind.FETCH)
+
+
+def lease_kinds(owners: list[LeaseOwner]) -> dict[str, int]:
+    """How many leases of each kind: requests (their prompt), answers being written back,
     prefixes fetched from another replica, blocks loading from disk, blocks sent to another replica
-    (what /health shows when memory stays pinned)."""
-    counts = dict.fromkeys(("leases_requests", "leases_answers", "leases_fetching", "leases_loading",
-                            "leases_serving"), 0)
+    (what /health shows when memory stays leased)."""
+    counts = dict.fromkeys(_LEASES_BY_KIND.values(), 0)
     for owner in owners:
-        if not isinstance(owner, tuple):
-            counts["leases_requests"] += 1
-        elif owner[-1] == "answer":
-            counts["leases_answers"] += 1
-        elif owner[-1] == "fetch":
-            counts["leases_fetching"] += 1
-        elif owner[0] == "load":
-            counts["leases_loading"] += 1
-        else:  # ("fetch", replica, fetch id): another replica's fetch, served from here
-            counts["leases_serving"] += 1
+        if owner.kind in _LEASES_BY_KIND:
+            counts[_LEASES_BY_KIND[owner.kind]] += 1
     return counts
 
 
@@ -123,7 +122,7 @@ def lease_kinds(owners) -> dict[str, int]:
 class _Fetch:
     """Blocks of a prompt's prefix on their way from another replica's store into slots here."""
 
-    lease: Lease  # owner (request id, "fetch"): the prefix this store holds, slots for the rest
+    lease: Lease  # a LeaseKind.FETCH lease: the prefix this store holds, slots for the rest
     peer: int  # the replica they come from
     landed: list[int]  # per block asked for (from the lease's hit): layer spans landed
     done: asyncio.Future  # -> blocks fetched (0: none, or failed)
@@ -314,18 +313,18 @@ class KvShuttleStage(Stage):
             await self._from_disk(entry, ids, usable)
             if rid not in self.requests:
                 return  # cancelled meanwhile
-        fetching = usable > 0 and await self._fetch(entry, ids, usable)  # holds a lease (rid, "fetch") then
+        fetching = usable > 0 and await self._fetch(entry, ids, usable)  # holds a FETCH lease then
         try:
             if rid not in self.requests:
                 return  # cancelled meanwhile
-            lease = self.store.lease(rid, ids, total - len(ids), verify=True, count=self.reuse, max_hit=usable,
-                                     keep_s=message.keep_s)
+            lease = self.store.lease(LeaseOwner(rid), ids, total - len(ids), verify=True, count=self.reuse,
+                                     max_hit=usable, keep_s=message.keep_s)
         except StoreFull as exc:
             await self.fail(rid, f"the KV store cannot hold this request's {n} tokens: {exc}", message.route)
             return
         finally:
             if fetching:  # its blocks are pinned by the request's lease now (or no longer wanted)
-                self.store.release((rid, "fetch"))
+                self.store.release(LeaseOwner(rid, LeaseKind.FETCH))
         if self.tiers is not None:
             self.tiers.touch(ids[: lease.hit])
         entry.lease, entry.cached, entry.next_commit = lease, lease.hit * bt, lease.hit
@@ -369,15 +368,16 @@ class KvShuttleStage(Stage):
 
     async def _fetch(self, entry: _Entry, ids: list, usable: int) -> bool:
         """Have the replica ingress named write the blocks of the prompt's first ``usable`` this
-        store lacks into slots leased here, and commit those it wrote. True: a lease
-        ``(request id, "fetch")`` pins the prefix now (to be released once the request's own lease
-        holds it)."""
+        store lacks into slots leased here, and commit those it wrote. True: a
+        :attr:`~pdflow.kv.lease_owner.LeaseKind.FETCH` lease holds the prefix now (to be released
+        once the request's own lease holds it)."""
         peer = self._fetch_peer(entry)
         rid = entry.request.request_id
+        owner = LeaseOwner(rid, LeaseKind.FETCH)
         if peer is None:
             return False
         try:
-            lease = self.store.lease((rid, "fetch"), ids[:usable], verify=False, count=False,
+            lease = self.store.lease(owner, ids[:usable], verify=False, count=False,
                                      keep_s=entry.request.keep_s)
         except StoreFull:
             return False
@@ -395,13 +395,13 @@ class KvShuttleStage(Stage):
         except asyncio.TimeoutError:
             fetch.failed = True
         except BaseException:  # cancelled: a write may still land in these slots
-            self.store.release((rid, "fetch"), LATE_WRITES_S)
+            self.store.release(owner, LATE_WRITES_S)
             raise
         finally:
             self.fetches.pop(fetch_id, None)
         if fetch.failed:  # nothing of it is trusted, and a late write may still land
             self.fetch_counts["peer_fetches_failed"] += 1
-            self.store.release((rid, "fetch"), LATE_WRITES_S)
+            self.store.release(owner, LATE_WRITES_S)
             self.log.warning("store.fetch_failed", request_id=rid, peer=peer, blocks=wanted,
                              ms=round(1000 * (time.monotonic() - began), 1))
             return False
@@ -447,7 +447,7 @@ class KvShuttleStage(Stage):
     async def _serve_fetch(self, message: KvFetch) -> None:
         """Write the blocks asked for that this store holds (pinned meanwhile) into the asker's
         slots, then say how many."""
-        bt, first, owner = self.arena.block_tokens, message.first_block, ("fetch", message.replica, message.fetch_id)
+        bt, first, owner = self.arena.block_tokens, message.first_block, LeaseOwner(message.fetch_id, LeaseKind.SERVE)
         ids = self.hasher.ids(message.prompt_ids) if self.reuse else []
         sent, lease = 0, None
         if 0 <= first < len(ids) and len(message.slots) >= len(ids) - first and message.num_slots > 0 \
@@ -547,7 +547,7 @@ class KvShuttleStage(Stage):
         entry.in_store = True
         wanted = -(-max(destination.result().tokens, entry.num_tokens) // bt)
         try:
-            self.store.extend(rid, max(0, wanted - len(entry.lease.slots)))
+            self.store.grow_lease(LeaseOwner(rid), max(0, wanted - len(entry.lease.slots)))
         except StoreFull as exc:
             self.spawn(self.fail(rid, f"the KV store cannot hold the blocks this request may generate into "
                                       f"(kv.store_bytes): {exc}", entry.route))
@@ -629,7 +629,7 @@ class KvShuttleStage(Stage):
                 await self.fail(header.request_id, f"KV chunk lost on its way into the store: {notice.error!r}",
                                 transient=True)
                 continue
-            self.store.renew(header.request_id)
+            self.store.renew(LeaseOwner(header.request_id))
             if entry.answer is not None:
                 self._answer_landed(entry, header)
             else:
@@ -691,14 +691,15 @@ class KvShuttleStage(Stage):
             self._end(rid, unfinished)
             return
         ids = self.hasher.ids(entry.request.prompt_ids + message.output_ids)[: blocks.stop]
+        owner = LeaseOwner(rid, LeaseKind.ANSWER)
         try:
-            answer = self.store.lease((rid, "answer"), ids, verify=False, count=False, ttl_s=_ANSWER_TTL_S,
+            answer = self.store.lease(owner, ids, verify=False, count=False, ttl_s=_ANSWER_TTL_S,
                                       keep_s=entry.request.keep_s)
         except StoreFull:
-            answer = self.store.lease((rid, "answer"), [], verify=False, count=False)  # no room: keep none
+            answer = self.store.lease(owner, [], verify=False, count=False)  # no room: keep none
         if answer.hit < blocks.start:  # the prompt's blocks are not all stored: the answer's cannot hang there
-            self.store.release((rid, "answer"))
-            answer = self.store.lease((rid, "answer"), [], verify=False, count=False)
+            self.store.release(owner)
+            answer = self.store.lease(owner, [], verify=False, count=False)
         entry.answer = answer
         first = answer.hit if answer.ids else blocks.stop
         entry.answer_landed = [0] * (blocks.stop - first)
@@ -714,7 +715,7 @@ class KvShuttleStage(Stage):
         """Index the answer's blocks where decode wrote them (the request's lease holds them)."""
         lease = entry.lease
         ids = self.hasher.ids(entry.request.prompt_ids + output_ids)[: blocks.stop]
-        self.store.extend(entry.request.request_id, ids=ids)
+        self.store.grow_lease(LeaseOwner(entry.request.request_id), ids=ids)
         for i in range(blocks.start, min(blocks.stop, len(lease.slots))):
             self.store.commit(lease, i)  # (False: stored already, or its parent is gone)
 
@@ -739,8 +740,8 @@ class KvShuttleStage(Stage):
     def _free(self, entry: _Entry, unfinished: bool) -> None:
         rid = entry.request.request_id
         quarantine = LATE_WRITES_S if unfinished else 0.0
-        self.store.release(rid, quarantine)
-        self.store.release((rid, "answer"), quarantine)
+        self.store.release(LeaseOwner(rid), quarantine)
+        self.store.release(LeaseOwner(rid, LeaseKind.ANSWER), quarantine)
         self.computing.done(entry.writer)  # stored, or never will be: whoever waits goes on
         self.computing.done(entry.answer_writer)
         entry.decode_destination.cancel()
@@ -775,6 +776,6 @@ class KvShuttleStage(Stage):
         while True:
             await asyncio.sleep(_EXPIRY_INTERVAL_S)
             for owner in self.store.expire(quarantine_s=LATE_WRITES_S):
-                rid = owner[0] if isinstance(owner, tuple) else owner
-                self.log.warning("store.lease_expired", request_id=rid)
-                self._end(rid, unfinished=True)
+                self.log.warning("store.lease_expired", request_id=owner.request_id, lease=owner.kind.value)
+                if owner.kind in _ENDS_ITS_REQUEST:
+                    self._end(owner.request_id, unfinished=True)
