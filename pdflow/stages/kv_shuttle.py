@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 import msgspec
 
@@ -130,10 +131,30 @@ class _Fetch:
     failed: bool = False  # a chunk was lost: what landed is not trusted
 
 
+class Phase(Enum):
+    """What kv-shuttle is doing for a request (the moves between phases: :data:`_NEXT`)."""
+
+    PLANNING = "planning"  # nothing leased yet: waiting for blocks on their way, on disk or in a peer store
+    RECEIVING = "receiving"  # leased: prefill's chunks land (each forwarded to decode, unless it attends here)
+    PROMPT_IN = "prompt in"  # every layer of the prompt has landed
+    IN_STORE = "in store"  # decode attends from the request's blocks here (KvInStore sent; no way back)
+    ANSWERING = "answering"  # the answer's KV comes back from decode into slots leased for it
+
+
+_NEXT = {
+    Phase.PLANNING: (Phase.RECEIVING,),
+    Phase.RECEIVING: (Phase.PROMPT_IN, Phase.ANSWERING),
+    Phase.PROMPT_IN: (Phase.IN_STORE, Phase.ANSWERING),
+    Phase.IN_STORE: (),
+    Phase.ANSWERING: (),
+}
+
+
 @dataclass(slots=True, eq=False)
 class _Entry:
     request: KvExpected
     decode_destination: asyncio.Future  # where decode wants the prompt's KV
+    phase: Phase = Phase.PLANNING
     lease: Lease | None = None  # set once planned
     cached: int = 0  # prompt tokens whose KV came from the store
     landed: list[int] = field(default_factory=list)  # per block after the prefix: layer spans landed
@@ -148,7 +169,6 @@ class _Entry:
     decode_pool: ArenaLayout | None = None  # decode's pool, when its destination is one (checked once)
     layer_left: list[int] = field(default_factory=list)  # per layer: tokens still to land (keys and values)
     layer_in: list[float] = field(default_factory=list)  # per layer: when it was all in
-    in_store: bool = False  # decode attends from the request's blocks here (KvInStore sent)
     plan_wanted: asyncio.Future | None = None  # prefill is about to compute it (PlanWanted)
     arrival: int = 0  # its place in the order requests arrived here
     writer: Writer | None = None  # the prompt blocks it computes, while later requests may wait for them
@@ -160,6 +180,18 @@ class _Entry:
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def attends_here(self) -> bool:
+        """Decode said it attends from the request's blocks here (``KvInPlace``)."""
+        destination = self.decode_destination
+        return destination.done() and not destination.cancelled() and isinstance(destination.result(), KvInPlace)
+
+    def enter(self, phase: Phase) -> None:
+        """Move on to ``phase``; RuntimeError if the request cannot get there from where it is."""
+        if phase not in _NEXT[self.phase]:
+            raise RuntimeError(f"request {self.request.request_id}: no move from {self.phase.value} to {phase.value}")
+        self.phase = phase
 
 
 class KvShuttleStage(Stage):
@@ -328,6 +360,7 @@ class KvShuttleStage(Stage):
         if self.tiers is not None:
             self.tiers.touch(ids[: lease.hit])
         entry.lease, entry.cached, entry.next_commit = lease, lease.hit * bt, lease.hit
+        entry.enter(Phase.RECEIVING)
         if self.reuse and lease.hit < len(ids):  # later requests sharing these blocks may wait for them
             entry.writer = self.computing.add(entry.arrival, ids[lease.hit :])
         entry.landed = [0] * (total - lease.hit)
@@ -506,7 +539,7 @@ class KvShuttleStage(Stage):
 
     def on_prefix_destination(self, message: PrefixDestination) -> None:
         entry: _Entry = self.requests.get(message.request_id)
-        if entry.lease is None:
+        if entry.phase is Phase.PLANNING:
             raise RuntimeError("prefill asked for a prefix before the request was planned")
         rid = message.request_id
 
@@ -532,20 +565,18 @@ class KvShuttleStage(Stage):
         if isinstance(message, KvDestination) and message.slots:  # checked once, where a bad one fails it
             entry.decode_pool = self._decode_pool(entry, message)
         entry.decode_destination.set_result(message)
-        if entry.lease is not None and entry.cached:  # else _plan sends it once planned
+        if entry.phase is not Phase.PLANNING and entry.cached:  # else _plan sends it once planned
             self._prefix_to_decode(entry, message)
         self._maybe_in_store(entry)
 
     def _maybe_in_store(self, entry: _Entry) -> None:
         """Decode attends from the request's blocks here: once the prompt's KV is all in, grow the
         lease by the blocks decode will write and tell it where they all are."""
-        destination = entry.decode_destination
-        if entry.in_store or entry.lease is None or any(entry.layer_left) or not destination.done() \
-                or destination.cancelled() or not isinstance(destination.result(), KvInPlace):
+        if entry.phase is not Phase.PROMPT_IN or not entry.attends_here:
             return
         rid, bt = entry.request.request_id, self.arena.block_tokens
-        entry.in_store = True
-        wanted = -(-max(destination.result().tokens, entry.num_tokens) // bt)
+        entry.enter(Phase.IN_STORE)
+        wanted = -(-max(entry.decode_destination.result().tokens, entry.num_tokens) // bt)
         try:
             self.store.grow_lease(LeaseOwner(rid), max(0, wanted - len(entry.lease.slots)))
         except StoreFull as exc:
@@ -623,14 +654,14 @@ class KvShuttleStage(Stage):
                 self._fetch_landed(fetch, notice)
                 continue
             entry = self.requests.get(header.request_id)
-            if entry is None or entry.lease is None:
+            if entry is None or entry.phase is Phase.PLANNING:
                 continue  # ended meanwhile (or a stray chunk before any plan)
             if notice.error is not None:
                 await self.fail(header.request_id, f"KV chunk lost on its way into the store: {notice.error!r}",
                                 transient=True)
                 continue
             self.store.renew(LeaseOwner(header.request_id))
-            if entry.answer is not None:
+            if entry.phase is Phase.ANSWERING:
                 self._answer_landed(entry, header)
             else:
                 self._spawn_for(entry, self._forward(entry, header))
@@ -646,7 +677,9 @@ class KvShuttleStage(Stage):
             entry.layer_left[header.layer] -= tokens_of_run(header)
             if entry.layer_left[header.layer] <= 0:
                 entry.layer_in[header.layer] = time.monotonic()
-                self._maybe_in_store(entry)
+                if not any(entry.layer_left):
+                    entry.enter(Phase.PROMPT_IN)
+                    self._maybe_in_store(entry)
         if entry.writer is not None:
             entry.writer.began = True
         bt = self.arena.block_tokens
@@ -681,13 +714,13 @@ class KvShuttleStage(Stage):
         # no output: it ended unfinished (cancelled, failed), and a writer may not have stopped yet
         unfinished = not message.output_ids
         reuse = self.reuse and entry.request.reuse_prefix  # (not: its prompt's blocks were not stored either)
-        if entry.in_store:  # decode wrote the answer's KV into the request's own blocks here
+        if entry.phase is Phase.IN_STORE:  # decode wrote the answer's KV into the request's own blocks here
             if reuse and blocks and not unfinished:
                 self._commit_in_place(entry, message.output_ids, blocks)
             self._end(rid, unfinished)
             return
         # (a second KvReleased, after an answer was offered: decode gave it up)
-        if not (reuse and message.output_ids and blocks and entry.lease is not None and entry.answer is None):
+        if not (reuse and message.output_ids and blocks and entry.phase in (Phase.RECEIVING, Phase.PROMPT_IN)):
             self._end(rid, unfinished)
             return
         ids = self.hasher.ids(entry.request.prompt_ids + message.output_ids)[: blocks.stop]
@@ -701,6 +734,7 @@ class KvShuttleStage(Stage):
             self.store.release(owner)
             answer = self.store.lease(owner, [], verify=False, count=False)
         entry.answer = answer
+        entry.enter(Phase.ANSWERING)
         first = answer.hit if answer.ids else blocks.stop
         entry.answer_landed = [0] * (blocks.stop - first)
         if answer.new_slots:  # the next turn of this chat may arrive before they do: it waits for them
