@@ -25,12 +25,9 @@ decode wrote them. With prefill computing into the arena too, no KV byte is copi
 prefill's forward pass and decode's attention.
 
 With several replicas, ingress may name another one that holds more of the prompt's prefix
-(``Route.fetch_from``, cache-aware routing): before its lease, the store leases slots for the
-blocks it lacks and asks that replica (``KvFetch``) to write them there; they are committed once
-all their layers are in and the holder says how many it wrote (``KvFetched``), and the request then
-reads them as its own cached prefix. A holder that lacks them, a write that fails or no answer in
-time (:func:`_fetch_timeout_s`): the blocks not fetched are computed, and slots a late write could
-still reach are quarantined.
+(``Route.fetch_from``, cache-aware routing): before its lease, the store has that replica write
+the blocks it lacks into slots leased here, and serves such fetches to the other replicas
+(:mod:`pdflow.stages.peer_fetch`).
 
 A cancel, a failure or a lease deadline (a holder that died) drops the leases too; the slots the
 request was writing are then reused only after a quarantine
@@ -84,6 +81,7 @@ from pdflow.messages import (
     PrefixDestination,
 )
 from pdflow.runtime.stage import Stage, Submission
+from pdflow.stages.peer_fetch import PeerFetch
 
 ARENA = 0  # the region the arena is registered as
 _EXPIRY_INTERVAL_S = 1.0
@@ -93,14 +91,6 @@ _DISK_EXPIRY_EVERY_S = 30.0  # how often expired blocks on disk are overwritten
 _DRAIN_ON_STOP_S = 5.0  # a clean stop writes what is queued for disk, for at most this long
 _HOLDINGS_EVERY_S = 0.25  # how often the store's changes go to ingress (cache-aware routing), at most
 _HOLDINGS_FULL_EVERY_S = 10.0  # and how often all it holds, which repairs a report lost on the way
-_FETCH_WAIT_S = 1.0  # a prefix fetched from another store is given up after this long, plus its bytes at:
-_FETCH_SLOWEST_BYTES_PER_S = 50e6  # (a link slower than this between stores loses fetches to the timeout)
-
-
-def _fetch_timeout_s(nbytes: int) -> float:
-    return _FETCH_WAIT_S + nbytes / _FETCH_SLOWEST_BYTES_PER_S
-
-
 _LEASES_BY_KIND = {LeaseKind.REQUEST: "leases_requests", LeaseKind.ANSWER: "leases_answers",
                    LeaseKind.FETCH: "leases_fetching", LeaseKind.LOAD: "leases_loading",
                    LeaseKind.SERVE: "leases_serving"}
@@ -117,18 +107,6 @@ def lease_kinds(owners: list[LeaseOwner]) -> dict[str, int]:
         if owner.kind in _LEASES_BY_KIND:
             counts[_LEASES_BY_KIND[owner.kind]] += 1
     return counts
-
-
-@dataclass(slots=True, eq=False)
-class _Fetch:
-    """Blocks of a prompt's prefix on their way from another replica's store into slots here."""
-
-    lease: Lease  # a LeaseKind.FETCH lease: the prefix this store holds, slots for the rest
-    peer: int  # the replica they come from
-    landed: list[int]  # per block asked for (from the lease's hit): layer spans landed
-    done: asyncio.Future  # -> blocks fetched (0: none, or failed)
-    answered: int | None = None  # blocks the peer says it wrote
-    failed: bool = False  # a chunk was lost: what landed is not trusted
 
 
 class Phase(Enum):
@@ -194,12 +172,13 @@ class _Entry:
         self.phase = phase
 
 
-class KvShuttleStage(Stage):
+class KvShuttleStage(PeerFetch, Stage):
     kind = "kv_shuttle"
     outputs = {"destination": "prefill", "kv": "decode"}
     opens = (KvExpected,)
     receives_kv = True
     holds_kv = True  # ingress's KvForget comes here
+    arena_region = ARENA
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> KvExpected:
@@ -229,10 +208,7 @@ class KvShuttleStage(Stage):
         self.reuse = settings.prefix_cache
         self.computing = InFlight()  # blocks on their way in: prompts computed, answers written back
         self.arrivals = 0
-        self.fetches: dict[str, _Fetch] = {}  # by the chunks' request id: prefixes coming from another store
-        self.fetch_counts = dict.fromkeys(("peer_fetches", "peer_fetched_blocks", "peer_fetches_failed",
-                                           "peer_served", "peer_served_blocks"), 0)
-        self.to_peers = None  # the data plane into other replicas' stores (made when first needed)
+        self.setup_peer_fetch()
         await self.inbound.start()
         self.address = self.inbound.address_for(ARENA)
         self.to_decode = self.kv_sender("kv")
@@ -275,8 +251,7 @@ class KvShuttleStage(Stage):
         await self.inbound.aclose()
         await self.to_decode.aclose()
         await self.to_prefill.aclose()
-        if self.to_peers is not None:
-            await self.to_peers.aclose()
+        await self.close_peer_fetch()
 
     def handlers(self):
         return {
@@ -289,11 +264,9 @@ class KvShuttleStage(Stage):
     def stats(self) -> dict[str, int]:
         stats = {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill),
                  **self.codec_stats(self.inbound, self.to_decode, self.to_prefill),
-                 **self.sent_stats(kv=self.to_decode, destination=self.to_prefill), **self.fetch_counts,
+                 **self.sent_stats(kv=self.to_decode, destination=self.to_prefill), **self.peer_fetch_stats(),
                  "prefix_waits": self.computing.waits, "prefix_waits_given_up": self.computing.given_up,
                  **lease_kinds(self.store.lease_owners())}
-        if self.to_peers is not None:  # into other replicas' stores
-            stats[f"kv_sent_bytes@{self.pipeline.stages[self.ctx.stage].display_name}"] = self.to_peers.sent_bytes
         if self.tiers is not None:
             disk = self.tiers.disk.stats()
             stats.update({(name[:-2] + "_us", int(value * 1e6)) if name.endswith("_s") else (name, value)
@@ -315,7 +288,7 @@ class KvShuttleStage(Stage):
         self.requests.open(message.request_id, entry)
         ids = self.hasher.ids(message.prompt_ids) if self.reuse and message.reuse_prefix else []
         if self._on_the_way(entry, ids) is None and not self._continues_on_disk(ids, len(message.prompt_ids)) \
-                and self._fetch_peer(entry) is None:
+                and self.fetch_peer(message) is None:
             await self._plan(entry, ids)
         else:  # blocks on their way, on disk or in another store, to wait for: not in the inbox's way
             self._spawn_for(entry, self._plan(entry, ids))
@@ -345,7 +318,7 @@ class KvShuttleStage(Stage):
             await self._from_disk(entry, ids, usable)
             if rid not in self.requests:
                 return  # cancelled meanwhile
-        fetching = usable > 0 and await self._fetch(entry, ids, usable)  # holds a FETCH lease then
+        fetching = usable > 0 and await self.fetch_from_peer(message, ids, usable)  # holds a FETCH lease then
         try:
             if rid not in self.requests:
                 return  # cancelled meanwhile
@@ -390,134 +363,6 @@ class KvShuttleStage(Stage):
         loaded = await self.tiers.load(rid, ids, usable)
         self.log.debug("store.from_disk", request_id=rid, blocks=loaded, ms=round(1000 * (time.monotonic() - began), 2),
                        prefetch=self.prefetch)
-
-    # --- a prefix from another replica's store ---------------------------------------------
-
-    def _fetch_peer(self, entry: _Entry) -> int | None:
-        """The replica of this stage that ingress says holds more of the prompt's prefix, if any."""
-        peer = entry.route.fetch_from.get(self.ctx.stage) if self.reuse and entry.request.reuse_prefix else None
-        replicas = self.pipeline.stages[self.ctx.stage].replicas
-        return peer if isinstance(peer, int) and 0 <= peer < replicas and peer != self.replica else None
-
-    async def _fetch(self, entry: _Entry, ids: list, usable: int) -> bool:
-        """Have the replica ingress named write the blocks of the prompt's first ``usable`` this
-        store lacks into slots leased here, and commit those it wrote. True: a
-        :attr:`~pdflow.kv.lease_owner.LeaseKind.FETCH` lease holds the prefix now (to be released
-        once the request's own lease holds it)."""
-        peer = self._fetch_peer(entry)
-        rid = entry.request.request_id
-        owner = LeaseOwner(rid, LeaseKind.FETCH)
-        if peer is None:
-            return False
-        try:
-            lease = self.store.lease(owner, ids[:usable], verify=False, count=False,
-                                     keep_s=entry.request.keep_s)
-        except StoreFull:
-            return False
-        if lease.hit >= usable:
-            return True
-        fetch_id, bt, wanted = f"{rid}:fetch", self.arena.block_tokens, usable - lease.hit
-        fetch = self.fetches[fetch_id] = _Fetch(lease, peer, [0] * wanted, asyncio.get_running_loop().create_future())
-        self.fetch_counts["peer_fetches"] += 1
-        began, blocks = time.monotonic(), 0
-        try:
-            await self.bus.send(self.ctx.stage, peer, KvFetch(
-                fetch_id, self.ctx.stage, self.replica, entry.request.prompt_ids[: usable * bt], lease.hit,
-                self.address, ARENA, self.arena.num_slots, lease.slots[lease.hit : usable]))
-            blocks = await asyncio.wait_for(asyncio.shield(fetch.done), _fetch_timeout_s(wanted * self.arena.block_bytes))
-        except asyncio.TimeoutError:
-            fetch.failed = True
-        except BaseException:  # cancelled: a write may still land in these slots
-            self.store.release(owner, LATE_WRITES_S)
-            raise
-        finally:
-            self.fetches.pop(fetch_id, None)
-        if fetch.failed:  # nothing of it is trusted, and a late write may still land
-            self.fetch_counts["peer_fetches_failed"] += 1
-            self.store.release(owner, LATE_WRITES_S)
-            self.log.warning("store.fetch_failed", request_id=rid, peer=peer, blocks=wanted,
-                             ms=round(1000 * (time.monotonic() - began), 1))
-            return False
-        for i in range(lease.hit, lease.hit + blocks):
-            self.store.commit(lease, i)
-        self.fetch_counts["peer_fetched_blocks"] += blocks
-        self.log.info("store.fetched", request_id=rid, peer=peer, blocks=blocks, of=wanted,
-                      bytes=blocks * self.arena.block_bytes, ms=round(1000 * (time.monotonic() - began), 2))
-        return True
-
-    def _fetch_landed(self, fetch: _Fetch, notice) -> None:
-        if notice.error is not None:
-            fetch.failed = True
-        else:
-            for i in self._blocks_of(notice.header, fetch.lease.hit):
-                if 0 <= i < len(fetch.landed):
-                    fetch.landed[i] += 1
-        self._fetch_progress(fetch)
-
-    def on_fetched(self, message: KvFetched) -> None:
-        fetch = self.fetches.get(message.fetch_id)
-        if fetch is None or message.stage != self.ctx.stage or message.replica != fetch.peer:
-            return  # given up already, or not from the replica asked
-        fetch.answered = max(0, min(message.blocks, len(fetch.landed)))
-        self._fetch_progress(fetch)
-
-    def _fetch_progress(self, fetch: _Fetch) -> None:
-        """Done once the peer has answered and every layer of the blocks it wrote is in."""
-        if fetch.done.done():
-            return
-        if fetch.failed:
-            fetch.done.set_result(0)
-        elif fetch.answered is not None and all(n >= 2 * self.kv.num_layers for n in fetch.landed[: fetch.answered]):
-            fetch.done.set_result(fetch.answered)
-
-    def on_fetch(self, message: KvFetch) -> None:
-        """Another replica asks for blocks of a prefix this store holds (see :meth:`_fetch`)."""
-        replicas = self.pipeline.stages[self.ctx.stage].replicas
-        if message.stage != self.ctx.stage or not 0 <= message.replica < replicas or message.replica == self.replica:
-            return
-        self.spawn(self._serve_fetch(message))
-
-    async def _serve_fetch(self, message: KvFetch) -> None:
-        """Write the blocks asked for that this store holds (pinned meanwhile) into the asker's
-        slots, then say how many."""
-        bt, first, owner = self.arena.block_tokens, message.first_block, LeaseOwner(message.fetch_id, LeaseKind.SERVE)
-        ids = self.hasher.ids(message.prompt_ids) if self.reuse else []
-        sent, lease = 0, None
-        if 0 <= first < len(ids) and len(message.slots) >= len(ids) - first and message.num_slots > 0 \
-                and all(0 <= slot < message.num_slots for slot in message.slots):
-            try:
-                lease = self.store.lease(owner, ids, verify=True, count=False, write=False)
-            except (StoreFull, ValueError):
-                lease = None
-        try:
-            if lease is not None and lease.hit > first:
-                dst = ArenaLayout(self.kv, bt, message.num_slots, self.arena.codec)
-                dst_slots = [-1] * first + list(message.slots[: lease.hit - first])
-                self.to_peers = self.to_peers or self._peer_sender()
-                for layer in range(self.kv.num_layers):
-                    for header, data in between_slots(message.fetch_id, self.arena, self.memory, layer, (KEYS, VALUES),
-                                                      lease.slots[first : lease.hit], first * bt, lease.hit * bt, dst,
-                                                      dst_slots, message.region):
-                        await self.to_peers.write(message.address, header, data)
-                sent = lease.hit - first
-        except (transports.TransportError, ValueError) as exc:
-            sent = 0
-            self.log.warning("store.fetch_serve_failed", asker=message.replica, error=repr(exc))
-        finally:
-            if lease is not None:
-                self.store.release(owner)
-        self.fetch_counts["peer_served"] += 1
-        self.fetch_counts["peer_served_blocks"] += sent
-        await self.bus.send(self.ctx.stage, message.replica, KvFetched(message.fetch_id, self.ctx.stage, self.replica,
-                                                                       sent))
-
-    def _peer_sender(self):
-        """A data-plane transport into other replicas' arenas: the transport (and options) of the
-        link their arenas receive on, without a codec (blocks travel as the store holds them)."""
-        link = self.pipeline.link(self.output("destination"), self.ctx.stage)
-        transport = transports.create(link.transport, host=self.config.bind_host_of(self.replica), **link.options)
-        transport.authenticate(self.data_key)
-        return transport
 
     def on_plan_wanted(self, message: PlanWanted) -> None:
         entry: _Entry = self.requests.get(message.request_id)
@@ -649,9 +494,7 @@ class KvShuttleStage(Stage):
     async def _notice_loop(self) -> None:
         async for notice in self.notices(self.inbound):
             header = notice.header
-            fetch = self.fetches.get(header.request_id) if self.fetches else None
-            if fetch is not None:  # a prefix from another store
-                self._fetch_landed(fetch, notice)
+            if self.fetched_chunk_landed(notice):  # a prefix from another store
                 continue
             entry = self.requests.get(header.request_id)
             if entry is None or entry.phase is Phase.PLANNING:
