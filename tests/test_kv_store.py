@@ -312,7 +312,7 @@ def test_a_re_put_is_a_new_version_and_a_reader_of_the_old_one_is_told() -> None
     got = store.get(ids, versions=store.versions(ids))  # the new version, and its child still hangs from it
     assert torch.equal(got[0][0][BT : 2 * BT], new[0][0][BT : 2 * BT]) and store.lookup(ids) == 3
     store.release("reader")
-    assert store.stats().blocks_used == 3  # the old version's slot came back at the last unpin
+    assert store.stats().blocks_used == 3  # the old version's slot came back at its last release
     with pytest.raises(Miss):
         store.get([12345])
 

@@ -5,7 +5,7 @@
 
 - **Down (write-behind).** Every block the store commits is queued, and a writer task copies it
   to disk from its slot (one ``pwritev`` of its spans, no staging copy) in a worker thread,
-  pinning it only while that write runs. So nothing on a request's path waits for the disk, an
+  leasing it only while that write runs. So nothing on a request's path waits for the disk, an
   eviction from memory costs nothing (the block is on disk already), and a restart finds every
   block that was committed more than a moment before it (what was still queued is lost; counted
   as ``spill_missed`` when memory evicts it first). Writing at commit rather than at eviction is

@@ -3,7 +3,7 @@
 Its store (:class:`~pdflow.kv.store.KvStore`) is one arena of blocks, registered with the data
 plane once (region 0), so chunks land straight in their slots. For each request:
 
-1. ``KvExpected`` (ingress): the prompt's block ids; a lease pins the longest cached prefix
+1. ``KvExpected`` (ingress): the prompt's block ids; a lease holds the longest cached prefix
    (checksums verified) and takes slots for the rest; prefill hears what to skip and where to
    write (``KvPlan``). Where the prefix goes on in blocks that are on their way (an earlier
    request's prefill computing them, or an answer being written back), the plan waits for them
@@ -328,7 +328,7 @@ class KvShuttleStage(PeerFetch, Stage):
             await self.fail(rid, f"the KV store cannot hold this request's {n} tokens: {exc}", message.route)
             return
         finally:
-            if fetching:  # its blocks are pinned by the request's lease now (or no longer wanted)
+            if fetching:  # its blocks are held by the request's lease now (or no longer wanted)
                 self.store.release(LeaseOwner(rid, LeaseKind.FETCH))
         if self.tiers is not None:
             self.tiers.touch(ids[: lease.hit])

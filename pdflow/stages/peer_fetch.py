@@ -163,7 +163,7 @@ class PeerFetch:
         self.spawn(self._serve_fetch(message))
 
     async def _serve_fetch(self, message: KvFetch) -> None:
-        """Write the blocks asked for that this store holds (pinned meanwhile) into the asker's
+        """Write the blocks asked for that this store holds (leased meanwhile) into the asker's
         slots, then say how many."""
         bt, first, owner = self.arena.block_tokens, message.first_block, LeaseOwner(message.fetch_id, LeaseKind.SERVE)
         ids = self.hasher.ids(message.prompt_ids) if self.reuse else []
