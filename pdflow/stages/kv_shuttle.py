@@ -340,6 +340,8 @@ class KvShuttleStage(PeerFetch, Stage):
         entry.span_sums = [[None] * (2 * self.kv.num_layers) for _ in entry.landed]
         entry.layer_left = [2 * (n - entry.cached)] * self.kv.num_layers
         entry.layer_in = [0.0] * self.kv.num_layers
+        if not any(entry.layer_left):  # an empty prompt: nothing to land (any other leaves prefill its last token)
+            entry.enter(Phase.PROMPT_IN)
         plan = KvPlan(rid, self.address, ARENA, self.arena.num_slots, entry.cached, lease.slots[lease.hit :],
                       lease.slots[: lease.hit])
         await self.send_output("destination", message.route, plan)
