@@ -445,6 +445,12 @@ class ProtocolRefused(Message):
     error: str
 
 
+# A chunk already on its way on the data plane may still land this long after the request it
+# belongs to ended unfinished (a cancel, a failure, an expired lease): whoever registered the slots
+# it may land in (decode's pool, the KV store) reuses them only after this quarantine.
+LATE_WRITES_S = 3.0
+
+
 class KvChunkHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Describes one chunk of KV bytes on the data plane: ``layer``'s keys (or values) of tokens
     ``token_start .. token_end``, token-major, shaped ``shape``.

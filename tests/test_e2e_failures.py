@@ -129,10 +129,10 @@ def test_killing_decode_mid_stream_migrates_the_request_and_its_stream_goes_on_w
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         stats = server.health()["stages"]["kv-shuttle-0"]["stats"]
-        if not stats["leases"] and not stats["pinned_blocks"]:
+        if not stats["leases"] and not stats["leased_blocks"]:
             break
         time.sleep(0.5)
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)
+    assert stats["leases"] == 0 and stats["leased_blocks"] == 0, held(stats)
 
 
 def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_behind(server):

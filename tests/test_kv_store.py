@@ -12,6 +12,7 @@ from pdflow.kv.arena import ArenaLayout, Run, runs
 from pdflow.kv.blocks import BlockHasher
 from pdflow.transports.checksum import checksum
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
+from pdflow.kv.lease_owner import LeaseKind, LeaseOwner
 from pdflow.kv.outcomes import Corrupted, Miss, Outcome, VersionMismatch
 from pdflow.kv.store import KvStore, StoreFull
 
@@ -121,7 +122,7 @@ def test_put_lookup_get_round_trip() -> None:
         assert torch.equal(got_keys[layer], keys[layer]) and torch.equal(got_values[layer], values[layer])
     stats = store.stats()
     assert (stats.lookups, stats.hits, stats.misses, stats.hit_blocks, stats.hit_tokens) == (2, 1, 1, 3, 3 * BT)
-    assert stats.blocks_cached == stats.blocks_used == 3 and stats.leases == 0 and stats.pinned_blocks == 0
+    assert stats.blocks_cached == stats.blocks_used == 3 and stats.leases == 0 and stats.leased_blocks == 0
 
 
 def test_a_lease_pins_its_prefix_and_commits_what_it_wrote() -> None:
@@ -131,15 +132,15 @@ def test_a_lease_pins_its_prefix_and_commits_what_it_wrote() -> None:
     store.put(ids[:2], keys, values)
     lease = store.lease("r1", ids, extra_slots=1)
     assert lease.hit == 2 and len(lease.slots) == 5 and len(lease.new_slots) == 3
-    assert store.stats().pinned_blocks == 2 and store.stats().leases == 1
+    assert store.stats().leased_blocks == 2 and store.stats().leases == 1
     new_keys, new_values = _kv(2, seed=3)
     store.write(lease.new_slots[:2], 2 * BT, new_keys, new_values)
     assert store.commit(lease, 2) and store.commit(lease, 3)
     assert not store.commit(lease, 3)  # already stored
-    assert store.stats().pinned_blocks == 4
+    assert store.stats().leased_blocks == 4
     assert store.release("r1") and not store.release("r1")
     stats = store.stats()
-    assert stats.pinned_blocks == 0 and stats.leases == 0 and stats.blocks_used == 4  # the extra slot is free
+    assert stats.leased_blocks == 0 and stats.leases == 0 and stats.blocks_used == 4  # the extra slot is free
     keys_all, _ = store.get(ids)
     assert torch.equal(keys_all[1][2 * BT :], new_keys[1])
 
@@ -149,9 +150,9 @@ def test_nothing_leased_is_evicted_and_a_full_store_says_so() -> None:
     h = BlockHasher("m", "float32", BT)
     a = h.ids(list(range(3 * BT)))
     store.lease("writer", a)  # 3 slots being written
-    with pytest.raises(StoreFull, match="pinned"):
+    with pytest.raises(StoreFull, match="leased"):
         store.lease("other", h.ids(list(range(100, 100 + 2 * BT))))
-    assert store.get_lease("other") is None and store.stats().pinned_blocks == 0
+    assert store.get_lease("other") is None and store.stats().leased_blocks == 0
     with pytest.raises(StoreFull, match="exceed the whole store"):
         store.lease("huge", h.ids(list(range(5 * BT))))
     store.release("writer")
@@ -205,20 +206,20 @@ def test_a_lease_grows_and_commits_what_its_holder_wrote_past_its_ids() -> None:
     tokens = list(range(4 * BT))
     ids = h.ids(tokens)
     lease = store.lease("r", ids[:1], extra_slots=1)  # a prompt of 1.5 blocks
-    assert store.extend("r", 2) == lease.slots[2:] and len(lease.slots) == 4
+    assert store.grow_lease("r", 2) == lease.slots[2:] and len(lease.slots) == 4
     keys, values = _kv(4, seed=5)
     store.write(lease.slots, 0, keys, values)
     assert store.commit(lease, 0)
     with pytest.raises(ValueError, match="do not extend"):
-        store.extend("r", ids=h.ids(list(range(100, 100 + 2 * BT))))
-    store.extend("r", ids=ids[:3])
+        store.grow_lease("r", ids=h.ids(list(range(100, 100 + 2 * BT))))
+    store.grow_lease("r", ids=ids[:3])
     assert store.commit(lease, 1) and store.commit(lease, 2)
     store.release("r")
     assert store.stats().blocks_used == 3 and store.lookup(ids) == 3
     assert torch.equal(store.get(ids[:3])[1][0], values[0][: 3 * BT])
     store.lease("s", [], extra_slots=4)
     with pytest.raises(StoreFull):
-        store.extend("s", 5)  # 1 free and 3 to evict
+        store.grow_lease("s", 5)  # 1 free and 3 to evict
     assert len(store.get_lease("s").slots) == 4  # a lease that could not grow keeps what it had
 
 
@@ -252,7 +253,7 @@ def test_a_corrupt_block_is_dropped_with_its_children_and_counted() -> None:
     assert ids[1] not in store and ids[2] not in store and ids[0] in store
     store.release("reader")
     store.release("r2")
-    assert store.stats().blocks_used == 1 and store.stats().pinned_blocks == 0
+    assert store.stats().blocks_used == 1 and store.stats().leased_blocks == 0
     assert lease.hit == 1
 
 
@@ -275,7 +276,7 @@ def test_a_commit_keeps_the_span_checksums_taken_as_the_spans_landed() -> None:
     assert store.lease("reader", ids).hit == 1 and store.stats().checksum_failures == 1
 
 
-def test_a_corrupt_block_still_pinned_is_freed_at_its_last_unpin() -> None:
+def test_a_corrupt_block_still_leased_is_freed_at_its_last_release() -> None:
     store = _store(4)
     ids = BlockHasher("m", "float32", BT).ids(list(range(2 * BT)))
     store.put(ids, *_kv(2, 6))
@@ -297,21 +298,21 @@ def test_a_re_put_is_a_new_version_and_a_reader_of_the_old_one_is_told() -> None
     ids = BlockHasher("m", "float32", BT).ids(list(range(3 * BT)))
     old, new = _kv(3, seed=1), _kv(3, seed=2)
     store.put(ids, *old)
-    pinned = store.versions(ids)
-    assert len(pinned) == 3 and pinned == sorted(set(pinned))
+    recorded = store.versions(ids)
+    assert len(recorded) == 3 and recorded == sorted(set(recorded))
     reader = store.lease("reader", ids[:2], write=False)  # holds version v of blocks 0 and 1
     slots_then = list(reader.slots)
     assert store.put(ids[1:2], *[[t[BT : 2 * BT] for t in kv] for kv in new], replace=True) == 1
-    assert store.versions(ids)[1] > pinned[1] and store.versions(ids)[0] == pinned[0]
+    assert store.versions(ids)[1] > recorded[1] and store.versions(ids)[0] == recorded[0]
     with pytest.raises(VersionMismatch) as caught:
-        store.get(ids[:2], versions=pinned[:2])
+        store.get(ids[:2], versions=recorded[:2])
     assert caught.value.outcome is Outcome.VERSION_MISMATCH and caught.value.block_id == ids[1]
-    held = store.read(slots_then, 2 * BT)  # the pinned old bytes are still there for the reader
+    held = store.read(slots_then, 2 * BT)  # the leased old bytes are still there for the reader
     assert torch.equal(held[0][0][BT:], old[0][0][BT : 2 * BT])
     got = store.get(ids, versions=store.versions(ids))  # the new version, and its child still hangs from it
     assert torch.equal(got[0][0][BT : 2 * BT], new[0][0][BT : 2 * BT]) and store.lookup(ids) == 3
     store.release("reader")
-    assert store.stats().blocks_used == 3  # the old version's slot came back at the last unpin
+    assert store.stats().blocks_used == 3  # the old version's slot came back at its last release
     with pytest.raises(Miss):
         store.get([12345])
 
@@ -341,7 +342,7 @@ def test_expired_blocks_are_never_found_and_their_slots_come_back() -> None:
     assert mortal[0] not in store and store.lookup(mortal) == 0  # never served once expired
     store.expire()
     assert store.stats().expired == 2 and store.lookup(forever) == 2
-    assert store.stats().blocks_used == 4  # pinned by the reader: its slots wait for it
+    assert store.stats().blocks_used == 4  # leased by the reader: its slots wait for it
     assert torch.equal(store.read(reader.slots, 2 * BT)[0][0], _kv(2, 2)[0][0])
     store.release("reader")
     assert store.stats().blocks_used == 2
@@ -368,9 +369,21 @@ def test_health_counts_the_leases_by_their_holder() -> None:
 
     store = _store(4)
     ids = [1, 2]
-    for owner in ("req-1", ("req-1", "answer"), ("req-2", "fetch"), ("load", "req-3"), ("fetch", 1, "req-4:fetch")):
+    for owner in (LeaseOwner("req-1"), LeaseOwner("req-1", LeaseKind.ANSWER), LeaseOwner("req-2", LeaseKind.FETCH),
+                  LeaseOwner("req-3", LeaseKind.LOAD), LeaseOwner("req-4:fetch", LeaseKind.SERVE),
+                  LeaseOwner("put:1", LeaseKind.WRITE)):
         store.lease(owner, ids, write=False)
     assert lease_kinds(store.lease_owners()) == {"leases_requests": 1, "leases_answers": 1, "leases_fetching": 1,
                                                  "leases_loading": 1, "leases_serving": 1}
-    store.release(("req-1", "answer"))
-    assert lease_kinds(store.lease_owners())["leases_answers"] == 0
+    store.release(LeaseOwner("req-1", LeaseKind.ANSWER))
+    assert lease_kinds(store.lease_owners())["leases_answers"] == 0 and store.get_lease(LeaseOwner("req-1")) is not None
+
+
+def test_a_lease_owner_is_a_value_not_a_position() -> None:
+    """Owners equal by request and kind name one lease; the same request's other kinds are others."""
+    store = _store(4)
+    store.lease(LeaseOwner("r"), [1], write=False)
+    with pytest.raises(ValueError):
+        store.lease(LeaseOwner("r", LeaseKind.REQUEST), [1], write=False)
+    store.lease(LeaseOwner("r", LeaseKind.ANSWER), [1], write=False)
+    assert store.release(LeaseOwner("r")) and store.lease_owners() == [LeaseOwner("r", LeaseKind.ANSWER)]

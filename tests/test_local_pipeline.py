@@ -67,8 +67,8 @@ def _tables(running) -> dict[str, dict]:
                          batch=len(stage.batch))
         if name == "kv_shuttle":
             stats = stage.store.stats()
-            sizes.update(leases=stats.leases, pinned=stats.pinned_blocks,
-                         leased=stats.blocks_used - stats.blocks_cached)
+            sizes.update(leases=stats.leases, leased=stats.leased_blocks,
+                         writing=stats.blocks_used - stats.blocks_cached)
         if name == "prefill":
             sizes.update(queued=stage.queue.qsize(), prefixes=len(stage.by_region))
         if name == "ingress":

@@ -64,7 +64,7 @@ def _settled_stats(server, stage: str) -> dict:
     heartbeats sent after the last request ended: /health lags the stage)."""
     deadline = time.monotonic() + 15
     stats = server.fresh_stats()[stage]
-    while time.monotonic() < deadline and (stats.get("leases") or stats.get("pinned_blocks")):
+    while time.monotonic() < deadline and (stats.get("leases") or stats.get("leased_blocks")):
         stats = server.fresh_stats()[stage]
     return stats
 
@@ -134,7 +134,7 @@ def test_reuse_gives_the_same_answers_and_reports_cached_tokens(reusing, referen
     for _, _, prompt, cached in done[7:]:
         assert cached >= prompt - 40 - BLOCK, (prompt, cached)
     stats = _settled_stats(reusing, reusing.store_stage)
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)
+    assert stats["leases"] == 0 and stats["leased_blocks"] == 0, held(stats)
     assert stats["hits"] >= 6 and stats["hit_tokens"] >= sum(by_turn), stats
     assert stats["checksum_failures"] == 0
 
@@ -151,7 +151,7 @@ def test_sixteen_at_once_give_the_same_answers(reusing, reference):
         assert answer == ref_answer, f"{messages[-1]['content'][:40]!r}: {answer!r} != {ref_answer!r}"
     assert sum(cached for _, _, cached in answers) > 0
     stats = _settled_stats(reusing, reusing.store_stage)
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)
+    assert stats["leases"] == 0 and stats["leased_blocks"] == 0, held(stats)
 
 
 def test_a_prompt_sent_while_its_prefix_is_computed_waits_for_it(reusing, served_model):
@@ -175,7 +175,7 @@ def test_a_prompt_sent_while_its_prefix_is_computed_waits_for_it(reusing, served
     stats = _settled_stats(reusing, reusing.store_stage)
     assert stats["prefix_waits"] == before["prefix_waits"] + 1, stats
     assert stats["prefix_waits_given_up"] == before["prefix_waits_given_up"], stats
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)
+    assert stats["leases"] == 0 and stats["leased_blocks"] == 0, held(stats)
 
 
 def test_zero_copy_copies_no_kv_byte(reusing, reference):
@@ -203,4 +203,4 @@ def test_a_client_gone_mid_answer_leaves_no_lease(reusing):
                 if line.startswith("data: ") and '"content"' in line:
                     break  # one token in: hang up
     stats = _settled_stats(reusing, reusing.store_stage)
-    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, held(stats)
+    assert stats["leases"] == 0 and stats["leased_blocks"] == 0, held(stats)

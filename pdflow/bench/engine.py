@@ -227,7 +227,7 @@ def greedy_answers(loaded, prompts: list[list[int]], tokens: int, batch_size: in
     for first in range(0, len(prompts), batch_size):
         group = prompts[first: first + batch_size]
         batch = DecodeBatch(loaded, max_batch=len(group))
-        seqs = []
+        outputs = {}  # per sequence, its tokens
         for i, ids in enumerate(group, start=first):
             kv = {}
 
@@ -236,17 +236,17 @@ def greedy_answers(loaded, prompts: list[list[int]], tokens: int, batch_size: in
 
             sampler = Sampler(SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
             result = prefill(loaded, ids, sampler, sink)
-            seq = Sequence(str(i), len(ids), result.first_token, sampler, extra={"out": [result.first_token]})
+            seq = Sequence(str(i), len(ids), result.first_token, sampler)
+            outputs[seq] = [result.first_token]
             if forced is not None:
                 seq.next_token = forced[i][0]
             batch.add(seq, kv.__getitem__)
-            seqs.append(seq)
         for step in range(1, tokens):
             for seq, token in batch.step():
-                seq.extra["out"].append(token)
+                outputs[seq].append(token)
                 if forced is not None:
                     seq.next_token = forced[int(seq.request_id)][step]
-        answers.extend(seq.extra["out"] for seq in seqs)
+        answers.extend(outputs.values())
     return answers
 
 

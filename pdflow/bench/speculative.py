@@ -129,8 +129,7 @@ def _decode_group(loaded, prompt_ids: list[list[int]], tokens: int, speculation)
         kv = {}
         first = prefill(loaded, ids, sampler, lambda layer, k, v, kv=kv: kv.__setitem__(
             layer, (k.transpose(0, 1), v.transpose(0, 1))))
-        seq = Sequence(str(i), len(ids), first.first_token, sampler, history=[*ids, first.first_token],
-                       extra={"index": i})
+        seq = Sequence(str(i), len(ids), first.first_token, sampler, history=[*ids, first.first_token])
         answers[i].append(first.first_token)
         engine.add_from(seq, kv.__getitem__)
     seconds, steps = 0.0, 0
@@ -142,7 +141,7 @@ def _decode_group(loaded, prompt_ids: list[list[int]], tokens: int, speculation)
             steps += 1
             done = set()
             for seq, token in results:
-                out = answers[seq.extra["index"]]
+                out = answers[int(seq.request_id)]
                 if seq in done:
                     continue
                 out.append(token)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,11 +34,25 @@ _CAPACITY_STEP = 256
 _RESERVE_MAX = 1024  # output tokens a joining sequence reserves room for, at most
 
 
+@dataclass(slots=True)
+class Acceptance:
+    """How a sequence's drafts fared (speculative decoding, which alone reads and updates it):
+    decaying counts of draft tokens kept and of verifies that rejected one, and the steps it has
+    drafted nothing since its last probe."""
+
+    kept: float = 0.0
+    missed: float = 0.0
+    idle: int = 0
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One request in decode. ``length`` tokens are cached; ``next_token`` is fed next, at
     position ``length + skipped``: ``skipped`` prompt tokens' KV was dropped (a sink + window
-    codec), and what is cached keeps its own positions."""
+    codec), and what is cached keeps its own positions.
+
+    ``context`` is the stage's own record of the request (decode's, the colocated worker's), for
+    the stage to read back when the batch hands it the sequence; the engine never looks at it."""
 
     request_id: str
     length: int
@@ -45,11 +60,13 @@ class Sequence:
     sampler: Sampler
     generated: int = 1  # the first token came from prefill
     finish_reason: str | None = None
-    extra: dict = field(default_factory=dict)
     skipped: int = 0
     history: list[int] | None = None  # the prompt's tokens and every one since (next_token last), if kept
     proposed: int = 0  # speculative decoding: draft tokens verified for it ...
     accepted: int = 0  # ... and kept
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    steps: list[float] = field(default_factory=list)  # when each decode step gave it tokens (its timeline)
+    context: Any = None
 
     @property
     def position(self) -> int:

@@ -31,9 +31,9 @@ def finish_reason(
 def after_decode_step(seq: Sequence, token: int, model: LoadedModel, now: float, behind: int = 0) -> str | None:
     """Decode just gave ``seq`` its ``token`` at ``now``, with ``behind`` more of its tokens after
     it from the same step (speculative decoding keeps several): note the step's time in its
-    timeline (``seq.extra["steps"]``) and say why it is finished, if it is (decode and the
+    timeline (``seq.steps``) and say why it is finished, if it is (decode and the
     colocated worker alike)."""
-    seq.extra["steps"].append(now)
+    seq.steps.append(now)
     return finish_reason(token, seq.generated - behind, seq.position + 1 - behind, seq.sampler.params,
                          model.eos_token_ids, model.max_context)
 

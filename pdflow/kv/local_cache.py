@@ -15,6 +15,7 @@ import torch
 
 from pdflow.kv.blocks import BlockHasher, reusable_blocks
 from pdflow.kv.layout import KvLayout
+from pdflow.kv.lease_owner import LeaseKind, LeaseOwner
 from pdflow.kv.store import KvStore, StoreFull
 
 __all__ = ["LocalPrefixCache"]
@@ -30,10 +31,11 @@ class LocalPrefixCache:
         self.store = KvStore(kv, hasher.block_tokens, capacity_bytes, **store_options)
         self._lock = threading.Lock()
 
-    def prefix(self, owner: str, prompt_ids: list[int]) -> tuple[int, tuple[list[torch.Tensor], list[torch.Tensor]] | None]:
+    def prefix(self, request_id: str, prompt_ids: list[int]
+               ) -> tuple[int, tuple[list[torch.Tensor], list[torch.Tensor]] | None]:
         """How many leading tokens of the prompt are cached (whole blocks, leaving at least one to
         compute), and their KV (per layer keys and values, token-major copies), or ``(0, None)``."""
-        ids = self.hasher.ids(prompt_ids)
+        ids, owner = self.hasher.ids(prompt_ids), LeaseOwner(request_id)
         with self._lock:
             lease = self.store.lease(owner, ids, write=False,
                                      max_hit=reusable_blocks(len(ids), len(prompt_ids), self.block_tokens))
@@ -49,12 +51,12 @@ class LocalPrefixCache:
              values: Sequence[torch.Tensor], keep_s: float | None = None) -> int:
         """Store the full blocks of ``token_ids`` from block ``first_block`` on, whose KV is given
         (per layer, token-major, from token ``first_block * block_tokens``); blocks already stored
-        are skipped. Returns how many were added (0 when the store is full of pinned blocks or
+        are skipped. Returns how many were added (0 when the store is full of leased blocks or
         the blocks before ``first_block`` are gone). ``keep_s``: how long (0: not at all)."""
         ids = self.hasher.ids(token_ids)
         if len(ids) <= first_block or keep_s == 0:
             return 0
-        owner = ("keep", id(keys))
+        owner = LeaseOwner(f"keep:{id(keys)}", LeaseKind.WRITE)
         bt = self.block_tokens
         with self._lock:
             try:

@@ -2,7 +2,7 @@
 is not there. Each of the three means "recompute", never a failed request.
 
 - ``MISS``: no such block (never stored, evicted, forgotten, expired);
-- ``VERSION_MISMATCH``: the block is there, but not the version the reader pinned: it was replaced;
+- ``VERSION_MISMATCH``: the block is there, but not the version the reader recorded: it was replaced;
 - ``CORRUPTED``: it was there and failed its checksum: dropped, never served.
 
 :class:`~pdflow.kv.disk.DiskTier` answers with an :class:`Outcome`; the memory store's plain API

@@ -1,4 +1,4 @@
-"""The KV store: blocks of KV in a preallocated arena, found by content, kept by LRU, pinned by leases.
+"""The KV store: blocks of KV in a preallocated arena, found by content, kept by LRU, held by leases.
 
 Usable on its own::
 
@@ -9,9 +9,9 @@ Usable on its own::
     keys, values = store.get(ids[:hit])
 
 and, for a request that reads a prefix and writes the rest in place (what the kv-shuttle and the
-colocated worker do), :meth:`KvStore.lease`: it pins the cached prefix and hands out free slots
+colocated worker do), :meth:`KvStore.lease`: it holds the cached prefix and hands out free slots
 for the blocks still to come; :meth:`KvStore.commit` indexes each one once its bytes are in,
-:meth:`KvStore.release` drops the pins (and frees what was never committed). A holder that
+:meth:`KvStore.release` lets them go (and frees what was never committed). A holder that
 writes its slots from another process, which may still be writing when the lease ends unfinished
 (a cancelled request's prefill, or decode attending in the store's own blocks), releases with a
 quarantine: those slots are reused only after it.
@@ -20,19 +20,21 @@ Rules:
 
 - a block id names its content (:mod:`pdflow.kv.blocks`), so a stored block is never rewritten;
   committing an id that is already stored keeps the stored one;
-- nothing pinned (by a lease or :meth:`KvStore.pin`) is evicted or overwritten; a lease has a
-  deadline (:meth:`KvStore.expire` drops the leases of holders that died);
-- eviction is LRU over unpinned blocks without cached children (a child goes before its parent:
+- nothing leased is evicted or overwritten; a lease has a deadline (:meth:`KvStore.renew` moves
+  it on, :meth:`KvStore.expire` drops the leases of holders that died). Lease and release are
+  the store's only words for holding blocks: :meth:`KvStore.grow_lease` adds to a lease,
+  :meth:`KvStore.lease_block` holds one block for a reader without a lease of its own;
+- eviction is LRU over unleased blocks without cached children (a child goes before its parent:
   a block whose parent is gone can never be a prefix hit); above ``high_watermark`` of the slots
   in use it evicts down to ``low_watermark``, and a full store evicts rather than refuse; only a
   request that cannot fit even then gets :class:`StoreFull`;
-- every committed block keeps a checksum per layer and kind; a lease verifies the prefix it pins
+- every committed block keeps a checksum per layer and kind; a lease verifies the prefix it holds
   and drops a block that fails (with every block below it), so the request recomputes it;
 - every committed block has a version (a counter over the store, carried to and from the disk
   tier), and may have an expiry (``block_ttl_s`` for the store, ``keep_s`` for one lease's
   blocks: 0 keeps none). An expired block is never found again and its slot is reclaimed; one
-  that a lease still pins stays readable to that lease until it lets go. :meth:`KvStore.put` with
-  ``replace`` makes a new version of a stored block; a reader of the old one that pinned it keeps
+  that a lease still holds stays readable to that lease until it is released. :meth:`KvStore.put` with
+  ``replace`` makes a new version of a stored block; a reader of the old one that leased it keeps
   its bytes; :meth:`KvStore.get` with ``versions`` raises :class:`~pdflow.kv.outcomes.Miss`,
   :class:`~pdflow.kv.outcomes.VersionMismatch` or :class:`~pdflow.kv.outcomes.Corrupted`;
 - :meth:`KvStore.forget` drops blocks on demand (a prefix and everything built on it, or all);
@@ -60,6 +62,7 @@ from pdflow.transports.checksum import checksum
 from pdflow.kv.codecs import KvCodec
 from pdflow.kv.holdings import Journal
 from pdflow.kv.layout import KEYS, VALUES, KvLayout, torch_dtype
+from pdflow.kv.lease_owner import LeaseKind, LeaseOwner
 from pdflow.kv.outcomes import Corrupted, Miss, VersionMismatch
 from pdflow.transports.regions import byte_view
 
@@ -67,7 +70,7 @@ __all__ = ["KvStore", "Lease", "StoreFull", "StoreStats"]
 
 
 class StoreFull(RuntimeError):
-    """A request's KV does not fit in the store even with everything unpinned evicted."""
+    """A request's KV does not fit in the store even with everything unleased evicted."""
 
 
 @dataclass(slots=True, eq=False)
@@ -80,13 +83,13 @@ class _Block:
     version: int
     expires: float = math.inf  # on the store's clock
     children: int = 0
-    pins: int = 0
-    detached: bool = False  # dropped from the index while pinned: its slot is freed at the last unpin
+    leases: int = 0  # how many leases (and lease_block readers) hold it
+    detached: bool = False  # dropped from the index while leased: its slot is freed at its last release
 
 
 @dataclass(slots=True, eq=False)
 class Lease:
-    """One holder's pins and slots. ``slots[i]`` holds block ``i`` of ``ids`` (then the extra
+    """One holder's blocks and slots. ``slots[i]`` holds block ``i`` of ``ids`` (then the extra
     slots); the first ``hit`` blocks were cached, the rest are the holder's to write."""
 
     owner: Hashable
@@ -94,7 +97,7 @@ class Lease:
     hit: int
     slots: list[int]
     deadline: float
-    pinned: list[_Block] = field(default_factory=list)
+    blocks: list[_Block] = field(default_factory=list)  # the indexed blocks it holds: its hit, then its commits
     private: set[int] = field(default_factory=set)  # slots written by the holder, not (yet) indexed
     keep_s: float | None = None  # how long the blocks it commits are kept (None: the store's block_ttl_s)
 
@@ -121,7 +124,7 @@ class StoreStats:
     evictions: int
     checksum_failures: int
     leases: int
-    pinned_blocks: int
+    leased_blocks: int  # indexed blocks that a lease holds
     blocks_quarantined: int  # released by a holder that may still be writing them: free after a while
     expired: int  # blocks dropped past their expiry
     forgotten: int  # blocks dropped on demand
@@ -177,7 +180,7 @@ class KvStore:
         self._leases: dict[Hashable, Lease] = {}
         self._quarantined: list[tuple[float, int]] = []  # heap of (free from, slot)
         self._expiring: list[tuple[float, int, BlockId]] = []  # heap of (expires, version, id) of mortal blocks
-        self._pinned = 0  # indexed blocks with pins > 0
+        self._leased = 0  # indexed blocks with leases > 0
         self._tick = 0
         self._version = first_version - 1
         self._counts = dict.fromkeys(("lookups", "hits", "misses", "hit_blocks", "commits", "evictions",
@@ -213,7 +216,7 @@ class KvStore:
         return hit
 
     def versions(self, ids: Sequence[BlockId]) -> list[int]:
-        """The versions of the leading stored blocks of ``ids`` (what a reader pins to read later)."""
+        """The versions of the leading stored blocks of ``ids`` (what a reader records to read later)."""
         out = []
         for block_id in ids:
             if block_id not in self:
@@ -238,12 +241,12 @@ class KvStore:
     def lease(self, owner: Hashable, ids: Sequence[BlockId], extra_slots: int = 0, *, verify: bool = True,
               ttl_s: float | None = None, count: bool = True, write: bool = True,
               max_hit: int | None = None, keep_s: float | None = None) -> Lease:
-        """Pin the longest cached prefix of ``ids`` and take a slot for each block after it, plus
+        """Hold the longest cached prefix of ``ids`` and take a slot for each block after it, plus
         ``extra_slots`` (e.g. a partial last block), evicting as needed.
 
         ``verify`` checks the prefix's checksums first: a block that fails is dropped (with the
         blocks below it) and the hit ends before it. Raises StoreFull when the slots cannot be
-        found (nothing stays pinned then) and ValueError if ``owner`` already holds a lease.
+        found (nothing stays leased then) and ValueError if ``owner`` already holds a lease.
         ``count``: whether this is a lookup for the hit and miss stats. ``write=False``: a reader
         only, no slots taken (``slots`` is the hit's). ``max_hit``: at most this many blocks hit (the
         rest get slots to be written, e.g. a last block whose token must be computed anyway).
@@ -263,12 +266,12 @@ class KvStore:
             self._count_lookup(hit)
         hit_blocks = [self._index[block_id] for block_id in ids[:hit]]
         for block in hit_blocks:
-            self._pin(block)
+            self._lease_one(block)
         try:
             fresh = self._take(len(ids) - hit + extra_slots) if write else []
         except StoreFull:
             for block in hit_blocks:
-                self._unpin(block)
+                self._release_one(block)
             raise
         deadline = self.clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
         lease = Lease(owner, list(ids), hit, [b.slot for b in hit_blocks] + fresh, deadline, hit_blocks, set(fresh),
@@ -287,7 +290,7 @@ class KvStore:
         if lease is not None:
             lease.deadline = self.clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
 
-    def extend(self, owner: Hashable, extra_slots: int = 0, ids: Sequence[BlockId] | None = None) -> list[int]:
+    def grow_lease(self, owner: Hashable, extra_slots: int = 0, ids: Sequence[BlockId] | None = None) -> list[int]:
         """Grow ``owner``'s lease: ``extra_slots`` more slots for it to write (appended to
         ``slots``; StoreFull if they cannot be found), and/or longer ``ids`` (which must start with
         the lease's own), so that blocks its holder wrote past them can be committed in place.
@@ -305,7 +308,7 @@ class KvStore:
     def commit(self, lease: Lease, index: int, *, replace: bool = False, version: int | None = None,
                keep_s: float | None = None, checksums: list[int] | None = None) -> bool:
         """Index block ``index`` of ``lease`` (its bytes are in ``lease.slots[index]``); the lease
-        keeps it pinned. False when it was not indexed: its parent is gone, the id is stored already
+        keeps holding it. False when it was not indexed: its parent is gone, the id is stored already
         (the stored copy stays, unless ``replace``: then this is its new version; this slot is
         freed at release), or the lease keeps nothing. ``version`` and ``keep_s`` (else the lease's)
         are for a block coming back from another tier with its own. ``checksums``: the slot's
@@ -339,8 +342,8 @@ class KvStore:
         if parent is not None:
             parent.children += 1
         lease.private.discard(slot)
-        self._pin(block)
-        lease.pinned.append(block)
+        self._lease_one(block)
+        lease.blocks.append(block)
         self._counts["commits"] += 1
         if self.journal is not None:  # (after a new version's _retire recorded the old one's removal)
             self.journal.add(block_id)
@@ -349,20 +352,20 @@ class KvStore:
         return True
 
     def release(self, owner: Hashable, quarantine_s: float = 0.0) -> bool:
-        """Drop ``owner``'s lease: unpin its blocks, free the slots it never committed (with
+        """Drop ``owner``'s lease: let its blocks go, free the slots it never committed (with
         ``quarantine_s``: only that long from now, for a writer that may not have stopped yet)."""
         lease = self._leases.pop(owner, None)
         if lease is None:
             return False
-        for block in lease.pinned:
-            self._unpin(block)
+        for block in lease.blocks:
+            self._release_one(block)
         until = self.clock() + quarantine_s
         for slot in lease.private:
             if quarantine_s > 0:
                 heapq.heappush(self._quarantined, (until, slot))
             else:
                 heapq.heappush(self._free, slot)
-        lease.pinned, lease.private = [], set()
+        lease.blocks, lease.private = [], set()
         return True
 
     def expire(self, quarantine_s: float = 0.0) -> list[Hashable]:
@@ -376,7 +379,7 @@ class KvStore:
         return gone
 
     def _expire_blocks(self, now: float) -> None:
-        """Drop every block past its expiry (pinned ones stay readable to their holders)."""
+        """Drop every block past its expiry (leased ones stay readable to their holders)."""
         doomed = set()
         while self._expiring and self._expiring[0][0] <= now:
             _, version, block_id = heapq.heappop(self._expiring)
@@ -388,7 +391,7 @@ class KvStore:
 
     def forget(self, ids: Sequence[BlockId] | None = None) -> int:
         """Drop blocks ``ids`` and every block built on them (None: every block); how many went.
-        Pinned ones stay readable to their holders, then their slots are freed."""
+        Leased ones stay readable to their holders, then their slots are freed."""
         roots = set(self._index) if ids is None else {block_id for block_id in ids if block_id in self._index}
         n = self._drop_trees(roots) if roots else 0
         self._counts["forgotten"] += n
@@ -402,7 +405,7 @@ class KvStore:
         per-layer keys and values, each ``(len(ids) * block_tokens, kv_heads, head_dim)``.
         ``replace``: blocks stored already get these bytes as a new version. Returns how many were
         stored. Raises StoreFull."""
-        owner = ("put", object())
+        owner = LeaseOwner(f"put:{id(ids)}", LeaseKind.WRITE)  # (unique while this call holds it)
         lease = self.lease(owner, ids, verify=False, count=False, max_hit=0 if replace else None, keep_s=keep_s)
         try:
             bt = self.block_tokens
@@ -417,7 +420,7 @@ class KvStore:
             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of blocks ``ids`` (checksums verified): per layer, keys and values
         ``(len(ids) * block_tokens, kv_heads, head_dim)``. Raises :class:`Miss` for a block not
-        stored (or expired), :class:`VersionMismatch` if ``versions`` (what the reader pinned) names
+        stored (or expired), :class:`VersionMismatch` if ``versions`` (what the reader recorded) names
         another one than is stored, :class:`Corrupted` for a block failing its checksum (dropped)."""
         blocks = []
         for i, block_id in enumerate(ids):
@@ -483,33 +486,17 @@ class KvStore:
                 out[kind].append(x[:num_tokens])
         return out
 
-    def pin(self, ids: Sequence[BlockId]) -> int:
-        """Pin the leading stored blocks of ``ids`` (until :meth:`unpin`); how many were pinned."""
-        n = 0
-        for block_id in ids:
-            block = self._index.get(block_id)
-            if block is None:
-                break
-            self._pin(block)
-            n += 1
-        return n
-
-    def unpin(self, ids: Sequence[BlockId]) -> None:
-        for block_id in ids:
-            block = self._index.get(block_id)
-            if block is not None and block.pins:
-                self._unpin(block)
-
-    def hold(self, block_id: BlockId) -> object | None:
-        """Pin one stored block until :meth:`let_go` of what this returns (None if not stored):
-        unlike :meth:`unpin`, that finds the block even if it was forgotten or replaced meanwhile."""
+    def lease_block(self, block_id: BlockId) -> object | None:
+        """Hold one stored block, with no owner or deadline, until :meth:`release_block` of what
+        this returns (None if not stored), which finds the block even if it was forgotten or
+        replaced meanwhile."""
         block = self._index.get(block_id)
         if block is not None:
-            self._pin(block)
+            self._lease_one(block)
         return block
 
-    def let_go(self, held: object) -> None:
-        self._unpin(held)
+    def release_block(self, leased: object) -> None:
+        self._release_one(leased)
 
     def span(self, offset: int, nbytes: int) -> memoryview:
         """Bytes ``[offset, offset + nbytes)`` of the arena (what a transport sends from)."""
@@ -538,7 +525,7 @@ class KvStore:
             block_tokens=self.block_tokens, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
             hit_blocks=c["hit_blocks"], hit_tokens=c["hit_blocks"] * self.block_tokens, commits=c["commits"],
             evictions=c["evictions"], checksum_failures=c["checksum_failures"], leases=len(self._leases),
-            pinned_blocks=self._pinned, blocks_quarantined=len(self._quarantined), expired=c["expired"],
+            leased_blocks=self._leased, blocks_quarantined=len(self._quarantined), expired=c["expired"],
             forgotten=c["forgotten"], version=self._version,
         )
 
@@ -555,21 +542,23 @@ class KvStore:
 
     @staticmethod
     def _evictable_now(block: _Block) -> bool:
-        return not block.pins and not block.children and not block.detached
+        return not block.leases and not block.children and not block.detached
 
-    def _pin(self, block: _Block) -> None:
-        if not block.pins and not block.detached:
-            self._pinned += 1
-        block.pins += 1
+    def _lease_one(self, block: _Block) -> None:
+        """One more lease holds ``block``."""
+        if not block.leases and not block.detached:
+            self._leased += 1
+        block.leases += 1
 
-    def _unpin(self, block: _Block) -> None:
-        block.pins -= 1
-        if block.pins:
+    def _release_one(self, block: _Block) -> None:
+        """One lease fewer holds ``block``: free at the last, if it left the index meanwhile."""
+        block.leases -= 1
+        if block.leases:
             return
         if block.detached:
             heapq.heappush(self._free, block.slot)
             return
-        self._pinned -= 1
+        self._leased -= 1
         if not block.children:
             heapq.heappush(self._evictable, (block.tick, block.id))
 
@@ -582,7 +571,7 @@ class KvStore:
                             f"({self.layout.num_slots} blocks)")
         while len(self._free) < n:
             if not self._evict_one():
-                raise StoreFull(f"{n} blocks needed, {len(self._free)} free and every other block pinned "
+                raise StoreFull(f"{n} blocks needed, {len(self._free)} free and every other block leased "
                                 f"by {len(self._leases)} leases or in quarantine ({len(self._quarantined)})")
         slots = [heapq.heappop(self._free) for _ in range(n)]
         slots.sort()
@@ -621,13 +610,13 @@ class KvStore:
 
     def _drop(self, bad: _Block) -> None:
         """Take ``bad`` and every block below it out of the index (a corrupt block's children can
-        never be hit); pinned ones are freed at their last unpin."""
+        never be hit); leased ones are freed at their last release."""
         self._counts["checksum_failures"] += 1
         self._drop_trees({bad.id})
 
     def _drop_trees(self, roots: set[BlockId]) -> int:
-        """Take ``roots`` and every block below them out of the index; how many. Pinned ones are
-        freed at their last unpin."""
+        """Take ``roots`` and every block below them out of the index; how many. Leased ones are
+        freed at their last release."""
         doomed = set(roots)
         if len(doomed) < len(self._index):
             doomed = descendants(doomed, ((block.id, None if block.parent is None else block.parent.id)
@@ -637,11 +626,11 @@ class KvStore:
         return len(doomed)
 
     def _detach(self, block: _Block) -> None:
-        """Out of the index; its slot is free now, or at its last unpin."""
+        """Out of the index; its slot is free now, or at its last release."""
         self._remove(block)
-        if block.pins:
+        if block.leases:
             block.detached = True
-            self._pinned -= 1
+            self._leased -= 1
         else:
             heapq.heappush(self._free, block.slot)
 

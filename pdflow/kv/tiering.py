@@ -5,7 +5,7 @@
 
 - **Down (write-behind).** Every block the store commits is queued, and a writer task copies it
   to disk from its slot (one ``pwritev`` of its spans, no staging copy) in a worker thread,
-  pinning it only while that write runs. So nothing on a request's path waits for the disk, an
+  leasing it only while that write runs. So nothing on a request's path waits for the disk, an
   eviction from memory costs nothing (the block is on disk already), and a restart finds every
   block that was committed more than a moment before it (what was still queued is lost; counted
   as ``spill_missed`` when memory evicts it first). Writing at commit rather than at eviction is
@@ -36,6 +36,7 @@ import structlog
 
 from pdflow.kv.blocks import BlockId
 from pdflow.kv.disk import DiskTier
+from pdflow.kv.lease_owner import LeaseKind, LeaseOwner
 from pdflow.kv.outcomes import Outcome
 from pdflow.kv.store import KvStore, StoreFull
 
@@ -109,7 +110,7 @@ class DiskBackedStore:
             await self._spill_some()
 
     async def _spill_some(self) -> None:
-        batch, held, epoch = [], [], self._epoch
+        batch, leased, epoch = [], [], self._epoch
         while self._queue and len(batch) < _WRITE_BATCH:
             block_id = self._queue.popleft()
             info = self.store.block_info(block_id)
@@ -119,15 +120,15 @@ class DiskBackedStore:
             slot, parent, version, expires = info
             if self.disk.version(block_id) == version or self.disk.disabled:
                 continue  # there already (it came from there), or the tier is off
-            held.append(self.store.hold(block_id))  # its slot is not reused while the thread reads it
+            leased.append(self.store.lease_block(block_id))  # its slot is not reused while the thread reads it
             batch.append((block_id, parent, version, self._wall(expires), slot))
         if not batch:
             return
         try:
             await _thread_finishing(self._write, batch, epoch)
         finally:
-            for block in held:
-                self.store.let_go(block)
+            for block in leased:
+                self.store.release_block(block)
 
     def _wall(self, expires: float) -> float:
         """A store-clock expiry as a unix time (0: never)."""
@@ -166,17 +167,18 @@ class DiskBackedStore:
             versions.append(version)
         return versions
 
-    async def load(self, owner, ids: Sequence[BlockId], stop: int | None = None) -> int:
+    async def load(self, request_id: str, ids: Sequence[BlockId], stop: int | None = None) -> int:
         """Bring the blocks of ``ids[:stop]`` that follow the memory hit and are on disk into
-        memory; how many came. They are committed unpinned (the caller's lease pins them next)."""
-        store = self.store
+        memory, for request ``request_id``; how many came. They are committed unleased (the
+        caller's lease holds them next)."""
+        store, owner = self.store, LeaseOwner(request_id, LeaseKind.LOAD)
         memory = self.memory_hit(ids, stop)
         versions = self.on_disk(ids, memory, stop)
         if not versions:
             return 0
         wanted = list(ids[: memory + len(versions)])
         try:
-            lease = store.lease(("load", owner), wanted, verify=False, count=False)
+            lease = store.lease(owner, wanted, verify=False, count=False)
         except StoreFull:
             return 0  # no room even after eviction: the request computes instead
         try:
@@ -197,7 +199,7 @@ class DiskBackedStore:
             self._counts["disk_loaded_blocks"] += loaded
             return loaded
         finally:
-            store.release(("load", owner))
+            store.release(owner)
 
     def _read(self, ids, versions, slots) -> list[tuple[Outcome, float | None]]:
         """Read blocks into slots (stopping at the first that fails); per block its outcome and how

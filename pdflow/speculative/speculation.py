@@ -33,7 +33,7 @@ sequence ``owners[r]``, ``offsets[r]`` places after its ``next_token``'s).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdflow.speculative.base import NO_DRAFT, Draft, Proposer
 from pdflow.speculative.verify import accept
@@ -74,19 +74,19 @@ class Speculation:
         (``row_cost``: against its share of a step; the one-row figure if None); all of
         ``num_tokens`` when not adaptive."""
         cost = (self.row_cost if row_cost is None else row_cost) + self.proposer.draft_cost
-        state: dict[str, Any] = seq.extra.setdefault("speculation", {"kept": 0.0, "missed": 0.0, "idle": 0})
+        state = seq.acceptance
         if not self.adaptive:
             return self.num_tokens
-        a = (state["kept"] + _PRIOR[0]) / (state["kept"] + state["missed"] + _PRIOR[1])
+        a = (state.kept + _PRIOR[0]) / (state.kept + state.missed + _PRIOR[1])
         best, best_rate = 0, 1.0
         for k in range(1, self.num_tokens + 1):
             rate = (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k) if a < 1 else (k + 1) / (1 + cost * k)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
-            state["idle"] += 1
-            if state["idle"] >= self.probe_every:
-                state["idle"] = 0
+            state.idle += 1
+            if state.idle >= self.probe_every:
+                state.idle = 0
                 return 1
         return best
 
@@ -117,9 +117,9 @@ class Speculation:
         self.counts["proposed"] += proposed
         self.counts["accepted"] += accepted
         if proposed:
-            state = seq.extra.setdefault("speculation", {"kept": 0.0, "missed": 0.0, "idle": 0})
-            state["kept"] = state["kept"] * _DECAY + accepted
-            state["missed"] = state["missed"] * _DECAY + (accepted < proposed)
+            state = seq.acceptance
+            state.kept = state.kept * _DECAY + accepted
+            state.missed = state.missed * _DECAY + (accepted < proposed)
 
     def step(self, batch, seqs: "list[Sequence]", forward, max_context: int) -> list[tuple["Sequence", int]]:
         """One step of ``batch``'s sequences ``seqs``: drafts, one verify pass over every sequence's

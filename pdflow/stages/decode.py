@@ -32,11 +32,11 @@ import torch
 from pdflow import transports
 from pdflow.engine import DecodeBatch, SamplerFactory, Sequence, load_model
 from pdflow.engine.paged import KvPool, PagedDecodeBatch
-from pdflow.engine.stopping import after_decode_step, in_order
 from pdflow.kv.arena import ArenaLayout
 from pdflow.kv.blocks import answer_blocks
 from pdflow.kv.chunks import into_slots, slot_of, tokens_of_run
 from pdflow.messages import (
+    LATE_WRITES_S,
     DecodeRequest,
     KvDestination,
     KvInPlace,
@@ -44,18 +44,17 @@ from pdflow.messages import (
     KvReleased,
     KvReturnSlots,
     PrefillDone,
+    Route,
     StopRequest,
-    Tokens,
 )
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.speculative import speculation_for
 from pdflow.stages.engine_thread import engine_thread, run_in
 from pdflow.stages.step_counts import CountsDecodeSteps
+from pdflow.stages.step_tokens import SendsStepTokens
 from pdflow.transports.staging import Stager
 
 _ANSWER_WAIT_S = 30.0  # how long a finished request waits for kv-shuttle's KvReturnSlots
-_LATE_WRITES_S = 3.0  # pool slots of a request that ended before all its KV landed wait this long
-# before another request gets them: a chunk already on its way may still land there
 POOL = 0  # the pool's region; requests' own buffers (no pool) are 1, 2, ...
 
 
@@ -81,7 +80,22 @@ class _Incoming:
         return self.request.route
 
 
-class DecodeStage(CountsDecodeSteps, Stage):
+@dataclass(slots=True, eq=False)
+class DecodeContext:
+    """What decode keeps for a sequence of its batch (``seq.context``)."""
+
+    entry: _Incoming  # how it arrived (kept for its timeline and its answer)
+    joined: float  # when it joined the batch
+    tokens: list[int]  # its output tokens so far (the last one was never fed back: it has no KV)
+    answer: tuple[int, int] | None = None  # tokens whose KV goes back to the store, copied before its row goes ...
+    answer_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # ... into this, for the writer
+
+    @property
+    def route(self) -> Route:
+        return self.entry.request.route
+
+
+class DecodeStage(SendsStepTokens, CountsDecodeSteps, Stage):
     kind = "decode"
     outputs = {"tokens": "ingress", "destination": "kv_shuttle"}
     opens = (DecodeRequest,)
@@ -304,7 +318,7 @@ class DecodeStage(CountsDecodeSteps, Stage):
             self.pool.give(slots)
             self._grant_slots()
         else:
-            asyncio.get_running_loop().call_later(_LATE_WRITES_S, self._late_give_back, slots)
+            asyncio.get_running_loop().call_later(LATE_WRITES_S, self._late_give_back, slots)
 
     def _late_give_back(self, slots: list[int]) -> None:
         self.pool.give(slots)
@@ -425,16 +439,16 @@ class DecodeStage(CountsDecodeSteps, Stage):
                 buffer = entry.buffer.to(self.model.device)
                 self.batch.add(seq, lambda layer: layout.views(buffer, n, layer))
                 entry.buffer = buffer = None  # the batch holds the KV now: free the receive buffer
-            seq.extra = {"entry": entry, "joined": time.monotonic(), "steps": [], "tokens": [entry.done.first_token]}
+            seq.context = DecodeContext(entry, time.monotonic(), [first])
             admitted.append(seq)
         return admitted
 
     def _step(self, admit: list[tuple[_Incoming, list[int] | None]],
               remove: list[Sequence]) -> tuple[list[Sequence], list]:
         for seq in remove:
-            if "answer" in seq.extra:  # its KV goes back to the store: copy it before the row goes
-                start, end = seq.extra["answer"]
-                seq.extra["answer_kv"] = self.batch.export(seq, start, end)
+            context: DecodeContext = seq.context
+            if context.answer is not None:  # its KV goes back to the store: copy it before the row goes
+                context.answer_kv = self.batch.export(seq, *context.answer)
             self.batch.remove(seq)
         admitted = self._admit(admit)
         return admitted, self.step_batch()
@@ -464,43 +478,35 @@ class DecodeStage(CountsDecodeSteps, Stage):
             if remove and self.pool is not None:
                 self._grant_slots()  # the removed sequences' slots are free
             for seq in remove:
-                if "answer_kv" in seq.extra:
-                    future = seq.extra["entry"].answer[1]
+                context: DecodeContext = seq.context
+                if context.answer_kv is not None:
+                    future = context.entry.answer[1]
                     if not future.done():
-                        future.set_result(seq.extra.pop("answer_kv"))
+                        future.set_result(context.answer_kv)
+                        context.answer_kv = None
             for seq in admitted:
                 self.running[seq.request_id] = seq
                 if seq.request_id not in self.requests:  # cancelled while it joined
                     self.to_remove.add(seq.request_id)
-            await self._emit(results)
+            await self.send_step_tokens(results, self.to_remove)
 
-    async def _emit(self, results: list[tuple[Sequence, int]]) -> None:
-        now = time.monotonic()
-        for seq, token, behind in in_order(results):
-            if seq.request_id not in self.running or seq.request_id in self.to_remove:
-                continue
-            reason = after_decode_step(seq, token, self.model, now, behind)
-            entry: _Incoming = seq.extra["entry"]
-            seq.extra["tokens"].append(token)
-            timeline = {}
-            if reason is not None:
-                self.to_remove.add(seq.request_id)
-                self._finished(seq, entry)
-                timeline = dict(entry.done.timeline)
-                timeline["decode.layer_in"] = entry.layer_in
-                timeline["decode.joined"] = [seq.extra["joined"]]
-                timeline["decode.steps"] = seq.extra["steps"]
-                timeline["decode.end"] = [now]
-            message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline,
-                             draft_proposed=seq.proposed, draft_accepted=seq.accepted,
-                             logprobs=seq.sampler.take_logprobs())
-            await self.send_output("tokens", entry.request.route, message)
+    def last_token(self, seq: Sequence, now: float) -> dict:
+        """``seq`` generated its last token: its answer's KV is offered to the store; its timeline."""
+        context: DecodeContext = seq.context
+        entry = context.entry
+        self._finished(seq, entry)
+        timeline = dict(entry.done.timeline)
+        timeline["decode.layer_in"] = entry.layer_in
+        timeline["decode.joined"] = [context.joined]
+        timeline["decode.steps"] = seq.steps
+        timeline["decode.end"] = [now]
+        return timeline
 
     # --- the answer's KV back into the store ------------------------------------------------------
 
     def _finished(self, seq: Sequence, entry: _Incoming) -> None:
         """``seq`` generated its last token: offer kv-shuttle the KV of its answer."""
-        output_ids = seq.extra["tokens"][:-1]  # the last token was never fed back: it has no KV
+        output_ids = seq.context.tokens[:-1]  # the last token was never fed back: it has no KV
         n = entry.request.prompt_len
         blocks = answer_blocks(n, n + len(output_ids), self.block_tokens) if self.block_tokens else range(0)
         if self.link_codec.structural:  # computed with heads or tokens missing: not the answer's own KV
@@ -510,7 +516,7 @@ class DecodeStage(CountsDecodeSteps, Stage):
             self._end(entry, output_ids)
             return
         bt = self.block_tokens
-        seq.extra["answer"] = (blocks.start * bt, blocks.stop * bt)
+        seq.context.answer = (blocks.start * bt, blocks.stop * bt)
         entry.answer = (blocks.start * bt, asyncio.get_running_loop().create_future())
         self._end(entry, output_ids)
         self.spawn(self._answer_deadline(entry))

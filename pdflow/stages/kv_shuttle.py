@@ -3,7 +3,7 @@
 Its store (:class:`~pdflow.kv.store.KvStore`) is one arena of blocks, registered with the data
 plane once (region 0), so chunks land straight in their slots. For each request:
 
-1. ``KvExpected`` (ingress): the prompt's block ids; a lease pins the longest cached prefix
+1. ``KvExpected`` (ingress): the prompt's block ids; a lease holds the longest cached prefix
    (checksums verified) and takes slots for the rest; prefill hears what to skip and where to
    write (``KvPlan``). Where the prefix goes on in blocks that are on their way (an earlier
    request's prefill computing them, or an answer being written back), the plan waits for them
@@ -25,16 +25,14 @@ decode wrote them. With prefill computing into the arena too, no KV byte is copi
 prefill's forward pass and decode's attention.
 
 With several replicas, ingress may name another one that holds more of the prompt's prefix
-(``Route.fetch_from``, cache-aware routing): before its lease, the store leases slots for the
-blocks it lacks and asks that replica (``KvFetch``) to write them there; they are committed once
-all their layers are in and the holder says how many it wrote (``KvFetched``), and the request then
-reads them as its own cached prefix. A holder that lacks them, a write that fails or no answer in
-time (:func:`_fetch_timeout_s`): the blocks not fetched are computed, and slots a late write could
-still reach are quarantined.
+(``Route.fetch_from``, cache-aware routing): before its lease, the store has that replica write
+the blocks it lacks into slots leased here, and serves such fetches to the other replicas
+(:mod:`pdflow.stages.peer_fetch`).
 
 A cancel, a failure or a lease deadline (a holder that died) drops the leases too; the slots the
-request was writing are then reused only after a quarantine (``_LATE_WRITES_S``), since a chunk on
-its way, a forward pass or a decode step computing in place may still write into them.
+request was writing are then reused only after a quarantine
+(:data:`~pdflow.messages.LATE_WRITES_S`), since a chunk on its way, a forward pass or a decode step
+computing in place may still write into them.
 
 With a disk tier (``kv.disk_path``) every committed block is also written to disk in the
 background (:mod:`pdflow.kv.tiering`), and a request whose prefix continues on disk past its
@@ -49,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 import msgspec
 
@@ -60,9 +59,11 @@ from pdflow.kv.disk import DiskInUse, DiskTier
 from pdflow.kv.holdings import Journal, pack_ids
 from pdflow.kv.in_flight import InFlight, Writer
 from pdflow.kv.layout import KEYS, VALUES, KvLayout
+from pdflow.kv.lease_owner import LeaseKind, LeaseOwner
 from pdflow.kv.store import KvStore, Lease, StoreFull
 from pdflow.kv.tiering import DiskBackedStore
 from pdflow.messages import (
+    LATE_WRITES_S,
     KvChunkHeader,
     KvDestination,
     KvExpected,
@@ -80,60 +81,58 @@ from pdflow.messages import (
     PrefixDestination,
 )
 from pdflow.runtime.stage import Stage, Submission
+from pdflow.stages.peer_fetch import PeerFetch
 
 ARENA = 0  # the region the arena is registered as
 _EXPIRY_INTERVAL_S = 1.0
 _ANSWER_TTL_S = 60.0  # how long decode gets to write an answer's blocks
 _ARRIVING_WAIT_S = 2.0  # how long a request waits for an answer's blocks already on their way
-_LATE_WRITES_S = 3.0  # the slots of a request that ended unfinished are reused only after this long
 _DISK_EXPIRY_EVERY_S = 30.0  # how often expired blocks on disk are overwritten
 _DRAIN_ON_STOP_S = 5.0  # a clean stop writes what is queued for disk, for at most this long
 _HOLDINGS_EVERY_S = 0.25  # how often the store's changes go to ingress (cache-aware routing), at most
 _HOLDINGS_FULL_EVERY_S = 10.0  # and how often all it holds, which repairs a report lost on the way
-_FETCH_WAIT_S = 1.0  # a prefix fetched from another store is given up after this long, plus its bytes at:
-_FETCH_SLOWEST_BYTES_PER_S = 50e6  # (a link slower than this between stores loses fetches to the timeout)
+_LEASES_BY_KIND = {LeaseKind.REQUEST: "leases_requests", LeaseKind.ANSWER: "leases_answers",
+                   LeaseKind.FETCH: "leases_fetching", LeaseKind.LOAD: "leases_loading",
+                   LeaseKind.SERVE: "leases_serving"}
+# the leases whose expiry ends a request here (not a load's: it ends with its own call, nor a serve's)
+_ENDS_ITS_REQUEST = (LeaseKind.REQUEST, LeaseKind.ANSWER, LeaseKind.FETCH)
 
 
-def _fetch_timeout_s(nbytes: int) -> float:
-    return _FETCH_WAIT_S + nbytes / _FETCH_SLOWEST_BYTES_PER_S
-
-
-def lease_kinds(owners) -> dict[str, int]:
-    """How many leases of each holder: requests (their prompt), answers being written back,
+def lease_kinds(owners: list[LeaseOwner]) -> dict[str, int]:
+    """How many leases of each kind: requests (their prompt), answers being written back,
     prefixes fetched from another replica, blocks loading from disk, blocks sent to another replica
-    (what /health shows when memory stays pinned)."""
-    counts = dict.fromkeys(("leases_requests", "leases_answers", "leases_fetching", "leases_loading",
-                            "leases_serving"), 0)
+    (what /health shows when memory stays leased)."""
+    counts = dict.fromkeys(_LEASES_BY_KIND.values(), 0)
     for owner in owners:
-        if not isinstance(owner, tuple):
-            counts["leases_requests"] += 1
-        elif owner[-1] == "answer":
-            counts["leases_answers"] += 1
-        elif owner[-1] == "fetch":
-            counts["leases_fetching"] += 1
-        elif owner[0] == "load":
-            counts["leases_loading"] += 1
-        else:  # ("fetch", replica, fetch id): another replica's fetch, served from here
-            counts["leases_serving"] += 1
+        if owner.kind in _LEASES_BY_KIND:
+            counts[_LEASES_BY_KIND[owner.kind]] += 1
     return counts
 
 
-@dataclass(slots=True, eq=False)
-class _Fetch:
-    """Blocks of a prompt's prefix on their way from another replica's store into slots here."""
+class Phase(Enum):
+    """What kv-shuttle is doing for a request (the moves between phases: :data:`_NEXT`)."""
 
-    lease: Lease  # owner (request id, "fetch"): the prefix this store holds, slots for the rest
-    peer: int  # the replica they come from
-    landed: list[int]  # per block asked for (from the lease's hit): layer spans landed
-    done: asyncio.Future  # -> blocks fetched (0: none, or failed)
-    answered: int | None = None  # blocks the peer says it wrote
-    failed: bool = False  # a chunk was lost: what landed is not trusted
+    PLANNING = "planning"  # nothing leased yet: waiting for blocks on their way, on disk or in a peer store
+    RECEIVING = "receiving"  # leased: prefill's chunks land (each forwarded to decode, unless it attends here)
+    PROMPT_IN = "prompt in"  # every layer of the prompt has landed
+    IN_STORE = "in store"  # decode attends from the request's blocks here (KvInStore sent; no way back)
+    ANSWERING = "answering"  # the answer's KV comes back from decode into slots leased for it
+
+
+_NEXT = {
+    Phase.PLANNING: (Phase.RECEIVING,),
+    Phase.RECEIVING: (Phase.PROMPT_IN, Phase.ANSWERING),
+    Phase.PROMPT_IN: (Phase.IN_STORE, Phase.ANSWERING),
+    Phase.IN_STORE: (),
+    Phase.ANSWERING: (),
+}
 
 
 @dataclass(slots=True, eq=False)
 class _Entry:
     request: KvExpected
     decode_destination: asyncio.Future  # where decode wants the prompt's KV
+    phase: Phase = Phase.PLANNING
     lease: Lease | None = None  # set once planned
     cached: int = 0  # prompt tokens whose KV came from the store
     landed: list[int] = field(default_factory=list)  # per block after the prefix: layer spans landed
@@ -148,7 +147,6 @@ class _Entry:
     decode_pool: ArenaLayout | None = None  # decode's pool, when its destination is one (checked once)
     layer_left: list[int] = field(default_factory=list)  # per layer: tokens still to land (keys and values)
     layer_in: list[float] = field(default_factory=list)  # per layer: when it was all in
-    in_store: bool = False  # decode attends from the request's blocks here (KvInStore sent)
     plan_wanted: asyncio.Future | None = None  # prefill is about to compute it (PlanWanted)
     arrival: int = 0  # its place in the order requests arrived here
     writer: Writer | None = None  # the prompt blocks it computes, while later requests may wait for them
@@ -161,13 +159,26 @@ class _Entry:
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids)
 
+    @property
+    def attends_here(self) -> bool:
+        """Decode said it attends from the request's blocks here (``KvInPlace``)."""
+        destination = self.decode_destination
+        return destination.done() and not destination.cancelled() and isinstance(destination.result(), KvInPlace)
 
-class KvShuttleStage(Stage):
+    def enter(self, phase: Phase) -> None:
+        """Move on to ``phase``; RuntimeError if the request cannot get there from where it is."""
+        if phase not in _NEXT[self.phase]:
+            raise RuntimeError(f"request {self.request.request_id}: no move from {self.phase.value} to {phase.value}")
+        self.phase = phase
+
+
+class KvShuttleStage(PeerFetch, Stage):
     kind = "kv_shuttle"
     outputs = {"destination": "prefill", "kv": "decode"}
     opens = (KvExpected,)
     receives_kv = True
     holds_kv = True  # ingress's KvForget comes here
+    arena_region = ARENA
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> KvExpected:
@@ -197,10 +208,7 @@ class KvShuttleStage(Stage):
         self.reuse = settings.prefix_cache
         self.computing = InFlight()  # blocks on their way in: prompts computed, answers written back
         self.arrivals = 0
-        self.fetches: dict[str, _Fetch] = {}  # by the chunks' request id: prefixes coming from another store
-        self.fetch_counts = dict.fromkeys(("peer_fetches", "peer_fetched_blocks", "peer_fetches_failed",
-                                           "peer_served", "peer_served_blocks"), 0)
-        self.to_peers = None  # the data plane into other replicas' stores (made when first needed)
+        self.setup_peer_fetch()
         await self.inbound.start()
         self.address = self.inbound.address_for(ARENA)
         self.to_decode = self.kv_sender("kv")
@@ -243,8 +251,7 @@ class KvShuttleStage(Stage):
         await self.inbound.aclose()
         await self.to_decode.aclose()
         await self.to_prefill.aclose()
-        if self.to_peers is not None:
-            await self.to_peers.aclose()
+        await self.close_peer_fetch()
 
     def handlers(self):
         return {
@@ -257,11 +264,9 @@ class KvShuttleStage(Stage):
     def stats(self) -> dict[str, int]:
         stats = {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill),
                  **self.codec_stats(self.inbound, self.to_decode, self.to_prefill),
-                 **self.sent_stats(kv=self.to_decode, destination=self.to_prefill), **self.fetch_counts,
+                 **self.sent_stats(kv=self.to_decode, destination=self.to_prefill), **self.peer_fetch_stats(),
                  "prefix_waits": self.computing.waits, "prefix_waits_given_up": self.computing.given_up,
                  **lease_kinds(self.store.lease_owners())}
-        if self.to_peers is not None:  # into other replicas' stores
-            stats[f"kv_sent_bytes@{self.pipeline.stages[self.ctx.stage].display_name}"] = self.to_peers.sent_bytes
         if self.tiers is not None:
             disk = self.tiers.disk.stats()
             stats.update({(name[:-2] + "_us", int(value * 1e6)) if name.endswith("_s") else (name, value)
@@ -283,7 +288,7 @@ class KvShuttleStage(Stage):
         self.requests.open(message.request_id, entry)
         ids = self.hasher.ids(message.prompt_ids) if self.reuse and message.reuse_prefix else []
         if self._on_the_way(entry, ids) is None and not self._continues_on_disk(ids, len(message.prompt_ids)) \
-                and self._fetch_peer(entry) is None:
+                and self.fetch_peer(message) is None:
             await self._plan(entry, ids)
         else:  # blocks on their way, on disk or in another store, to wait for: not in the inbox's way
             self._spawn_for(entry, self._plan(entry, ids))
@@ -313,27 +318,30 @@ class KvShuttleStage(Stage):
             await self._from_disk(entry, ids, usable)
             if rid not in self.requests:
                 return  # cancelled meanwhile
-        fetching = usable > 0 and await self._fetch(entry, ids, usable)  # holds a lease (rid, "fetch") then
+        fetching = usable > 0 and await self.fetch_from_peer(message, ids, usable)  # holds a FETCH lease then
         try:
             if rid not in self.requests:
                 return  # cancelled meanwhile
-            lease = self.store.lease(rid, ids, total - len(ids), verify=True, count=self.reuse, max_hit=usable,
-                                     keep_s=message.keep_s)
+            lease = self.store.lease(LeaseOwner(rid), ids, total - len(ids), verify=True, count=self.reuse,
+                                     max_hit=usable, keep_s=message.keep_s)
         except StoreFull as exc:
             await self.fail(rid, f"the KV store cannot hold this request's {n} tokens: {exc}", message.route)
             return
         finally:
-            if fetching:  # its blocks are pinned by the request's lease now (or no longer wanted)
-                self.store.release((rid, "fetch"))
+            if fetching:  # its blocks are held by the request's lease now (or no longer wanted)
+                self.store.release(LeaseOwner(rid, LeaseKind.FETCH))
         if self.tiers is not None:
             self.tiers.touch(ids[: lease.hit])
         entry.lease, entry.cached, entry.next_commit = lease, lease.hit * bt, lease.hit
+        entry.enter(Phase.RECEIVING)
         if self.reuse and lease.hit < len(ids):  # later requests sharing these blocks may wait for them
             entry.writer = self.computing.add(entry.arrival, ids[lease.hit :])
         entry.landed = [0] * (total - lease.hit)
         entry.span_sums = [[None] * (2 * self.kv.num_layers) for _ in entry.landed]
         entry.layer_left = [2 * (n - entry.cached)] * self.kv.num_layers
         entry.layer_in = [0.0] * self.kv.num_layers
+        if not any(entry.layer_left):  # an empty prompt: nothing to land (any other leaves prefill its last token)
+            entry.enter(Phase.PROMPT_IN)
         plan = KvPlan(rid, self.address, ARENA, self.arena.num_slots, entry.cached, lease.slots[lease.hit :],
                       lease.slots[: lease.hit])
         await self.send_output("destination", message.route, plan)
@@ -358,133 +366,6 @@ class KvShuttleStage(Stage):
         self.log.debug("store.from_disk", request_id=rid, blocks=loaded, ms=round(1000 * (time.monotonic() - began), 2),
                        prefetch=self.prefetch)
 
-    # --- a prefix from another replica's store ---------------------------------------------
-
-    def _fetch_peer(self, entry: _Entry) -> int | None:
-        """The replica of this stage that ingress says holds more of the prompt's prefix, if any."""
-        peer = entry.route.fetch_from.get(self.ctx.stage) if self.reuse and entry.request.reuse_prefix else None
-        replicas = self.pipeline.stages[self.ctx.stage].replicas
-        return peer if isinstance(peer, int) and 0 <= peer < replicas and peer != self.replica else None
-
-    async def _fetch(self, entry: _Entry, ids: list, usable: int) -> bool:
-        """Have the replica ingress named write the blocks of the prompt's first ``usable`` this
-        store lacks into slots leased here, and commit those it wrote. True: a lease
-        ``(request id, "fetch")`` pins the prefix now (to be released once the request's own lease
-        holds it)."""
-        peer = self._fetch_peer(entry)
-        rid = entry.request.request_id
-        if peer is None:
-            return False
-        try:
-            lease = self.store.lease((rid, "fetch"), ids[:usable], verify=False, count=False,
-                                     keep_s=entry.request.keep_s)
-        except StoreFull:
-            return False
-        if lease.hit >= usable:
-            return True
-        fetch_id, bt, wanted = f"{rid}:fetch", self.arena.block_tokens, usable - lease.hit
-        fetch = self.fetches[fetch_id] = _Fetch(lease, peer, [0] * wanted, asyncio.get_running_loop().create_future())
-        self.fetch_counts["peer_fetches"] += 1
-        began, blocks = time.monotonic(), 0
-        try:
-            await self.bus.send(self.ctx.stage, peer, KvFetch(
-                fetch_id, self.ctx.stage, self.replica, entry.request.prompt_ids[: usable * bt], lease.hit,
-                self.address, ARENA, self.arena.num_slots, lease.slots[lease.hit : usable]))
-            blocks = await asyncio.wait_for(asyncio.shield(fetch.done), _fetch_timeout_s(wanted * self.arena.block_bytes))
-        except asyncio.TimeoutError:
-            fetch.failed = True
-        except BaseException:  # cancelled: a write may still land in these slots
-            self.store.release((rid, "fetch"), _LATE_WRITES_S)
-            raise
-        finally:
-            self.fetches.pop(fetch_id, None)
-        if fetch.failed:  # nothing of it is trusted, and a late write may still land
-            self.fetch_counts["peer_fetches_failed"] += 1
-            self.store.release((rid, "fetch"), _LATE_WRITES_S)
-            self.log.warning("store.fetch_failed", request_id=rid, peer=peer, blocks=wanted,
-                             ms=round(1000 * (time.monotonic() - began), 1))
-            return False
-        for i in range(lease.hit, lease.hit + blocks):
-            self.store.commit(lease, i)
-        self.fetch_counts["peer_fetched_blocks"] += blocks
-        self.log.info("store.fetched", request_id=rid, peer=peer, blocks=blocks, of=wanted,
-                      bytes=blocks * self.arena.block_bytes, ms=round(1000 * (time.monotonic() - began), 2))
-        return True
-
-    def _fetch_landed(self, fetch: _Fetch, notice) -> None:
-        if notice.error is not None:
-            fetch.failed = True
-        else:
-            for i in self._blocks_of(notice.header, fetch.lease.hit):
-                if 0 <= i < len(fetch.landed):
-                    fetch.landed[i] += 1
-        self._fetch_progress(fetch)
-
-    def on_fetched(self, message: KvFetched) -> None:
-        fetch = self.fetches.get(message.fetch_id)
-        if fetch is None or message.stage != self.ctx.stage or message.replica != fetch.peer:
-            return  # given up already, or not from the replica asked
-        fetch.answered = max(0, min(message.blocks, len(fetch.landed)))
-        self._fetch_progress(fetch)
-
-    def _fetch_progress(self, fetch: _Fetch) -> None:
-        """Done once the peer has answered and every layer of the blocks it wrote is in."""
-        if fetch.done.done():
-            return
-        if fetch.failed:
-            fetch.done.set_result(0)
-        elif fetch.answered is not None and all(n >= 2 * self.kv.num_layers for n in fetch.landed[: fetch.answered]):
-            fetch.done.set_result(fetch.answered)
-
-    def on_fetch(self, message: KvFetch) -> None:
-        """Another replica asks for blocks of a prefix this store holds (see :meth:`_fetch`)."""
-        replicas = self.pipeline.stages[self.ctx.stage].replicas
-        if message.stage != self.ctx.stage or not 0 <= message.replica < replicas or message.replica == self.replica:
-            return
-        self.spawn(self._serve_fetch(message))
-
-    async def _serve_fetch(self, message: KvFetch) -> None:
-        """Write the blocks asked for that this store holds (pinned meanwhile) into the asker's
-        slots, then say how many."""
-        bt, first, owner = self.arena.block_tokens, message.first_block, ("fetch", message.replica, message.fetch_id)
-        ids = self.hasher.ids(message.prompt_ids) if self.reuse else []
-        sent, lease = 0, None
-        if 0 <= first < len(ids) and len(message.slots) >= len(ids) - first and message.num_slots > 0 \
-                and all(0 <= slot < message.num_slots for slot in message.slots):
-            try:
-                lease = self.store.lease(owner, ids, verify=True, count=False, write=False)
-            except (StoreFull, ValueError):
-                lease = None
-        try:
-            if lease is not None and lease.hit > first:
-                dst = ArenaLayout(self.kv, bt, message.num_slots, self.arena.codec)
-                dst_slots = [-1] * first + list(message.slots[: lease.hit - first])
-                self.to_peers = self.to_peers or self._peer_sender()
-                for layer in range(self.kv.num_layers):
-                    for header, data in between_slots(message.fetch_id, self.arena, self.memory, layer, (KEYS, VALUES),
-                                                      lease.slots[first : lease.hit], first * bt, lease.hit * bt, dst,
-                                                      dst_slots, message.region):
-                        await self.to_peers.write(message.address, header, data)
-                sent = lease.hit - first
-        except (transports.TransportError, ValueError) as exc:
-            sent = 0
-            self.log.warning("store.fetch_serve_failed", asker=message.replica, error=repr(exc))
-        finally:
-            if lease is not None:
-                self.store.release(owner)
-        self.fetch_counts["peer_served"] += 1
-        self.fetch_counts["peer_served_blocks"] += sent
-        await self.bus.send(self.ctx.stage, message.replica, KvFetched(message.fetch_id, self.ctx.stage, self.replica,
-                                                                       sent))
-
-    def _peer_sender(self):
-        """A data-plane transport into other replicas' arenas: the transport (and options) of the
-        link their arenas receive on, without a codec (blocks travel as the store holds them)."""
-        link = self.pipeline.link(self.output("destination"), self.ctx.stage)
-        transport = transports.create(link.transport, host=self.config.bind_host_of(self.replica), **link.options)
-        transport.authenticate(self.data_key)
-        return transport
-
     def on_plan_wanted(self, message: PlanWanted) -> None:
         entry: _Entry = self.requests.get(message.request_id)
         entry.plan_wanted = entry.plan_wanted or asyncio.get_running_loop().create_future()
@@ -505,7 +386,7 @@ class KvShuttleStage(Stage):
 
     def on_prefix_destination(self, message: PrefixDestination) -> None:
         entry: _Entry = self.requests.get(message.request_id)
-        if entry.lease is None:
+        if entry.phase is Phase.PLANNING:
             raise RuntimeError("prefill asked for a prefix before the request was planned")
         rid = message.request_id
 
@@ -531,22 +412,20 @@ class KvShuttleStage(Stage):
         if isinstance(message, KvDestination) and message.slots:  # checked once, where a bad one fails it
             entry.decode_pool = self._decode_pool(entry, message)
         entry.decode_destination.set_result(message)
-        if entry.lease is not None and entry.cached:  # else _plan sends it once planned
+        if entry.phase is not Phase.PLANNING and entry.cached:  # else _plan sends it once planned
             self._prefix_to_decode(entry, message)
         self._maybe_in_store(entry)
 
     def _maybe_in_store(self, entry: _Entry) -> None:
         """Decode attends from the request's blocks here: once the prompt's KV is all in, grow the
         lease by the blocks decode will write and tell it where they all are."""
-        destination = entry.decode_destination
-        if entry.in_store or entry.lease is None or any(entry.layer_left) or not destination.done() \
-                or destination.cancelled() or not isinstance(destination.result(), KvInPlace):
+        if entry.phase is not Phase.PROMPT_IN or not entry.attends_here:
             return
         rid, bt = entry.request.request_id, self.arena.block_tokens
-        entry.in_store = True
-        wanted = -(-max(destination.result().tokens, entry.num_tokens) // bt)
+        entry.enter(Phase.IN_STORE)
+        wanted = -(-max(entry.decode_destination.result().tokens, entry.num_tokens) // bt)
         try:
-            self.store.extend(rid, max(0, wanted - len(entry.lease.slots)))
+            self.store.grow_lease(LeaseOwner(rid), max(0, wanted - len(entry.lease.slots)))
         except StoreFull as exc:
             self.spawn(self.fail(rid, f"the KV store cannot hold the blocks this request may generate into "
                                       f"(kv.store_bytes): {exc}", entry.route))
@@ -617,19 +496,17 @@ class KvShuttleStage(Stage):
     async def _notice_loop(self) -> None:
         async for notice in self.notices(self.inbound):
             header = notice.header
-            fetch = self.fetches.get(header.request_id) if self.fetches else None
-            if fetch is not None:  # a prefix from another store
-                self._fetch_landed(fetch, notice)
+            if self.fetched_chunk_landed(notice):  # a prefix from another store
                 continue
             entry = self.requests.get(header.request_id)
-            if entry is None or entry.lease is None:
+            if entry is None or entry.phase is Phase.PLANNING:
                 continue  # ended meanwhile (or a stray chunk before any plan)
             if notice.error is not None:
                 await self.fail(header.request_id, f"KV chunk lost on its way into the store: {notice.error!r}",
                                 transient=True)
                 continue
-            self.store.renew(header.request_id)
-            if entry.answer is not None:
+            self.store.renew(LeaseOwner(header.request_id))
+            if entry.phase is Phase.ANSWERING:
                 self._answer_landed(entry, header)
             else:
                 self._spawn_for(entry, self._forward(entry, header))
@@ -645,7 +522,9 @@ class KvShuttleStage(Stage):
             entry.layer_left[header.layer] -= tokens_of_run(header)
             if entry.layer_left[header.layer] <= 0:
                 entry.layer_in[header.layer] = time.monotonic()
-                self._maybe_in_store(entry)
+                if not any(entry.layer_left):
+                    entry.enter(Phase.PROMPT_IN)
+                    self._maybe_in_store(entry)
         if entry.writer is not None:
             entry.writer.began = True
         bt = self.arena.block_tokens
@@ -680,25 +559,27 @@ class KvShuttleStage(Stage):
         # no output: it ended unfinished (cancelled, failed), and a writer may not have stopped yet
         unfinished = not message.output_ids
         reuse = self.reuse and entry.request.reuse_prefix  # (not: its prompt's blocks were not stored either)
-        if entry.in_store:  # decode wrote the answer's KV into the request's own blocks here
+        if entry.phase is Phase.IN_STORE:  # decode wrote the answer's KV into the request's own blocks here
             if reuse and blocks and not unfinished:
                 self._commit_in_place(entry, message.output_ids, blocks)
             self._end(rid, unfinished)
             return
         # (a second KvReleased, after an answer was offered: decode gave it up)
-        if not (reuse and message.output_ids and blocks and entry.lease is not None and entry.answer is None):
+        if not (reuse and message.output_ids and blocks and entry.phase in (Phase.RECEIVING, Phase.PROMPT_IN)):
             self._end(rid, unfinished)
             return
         ids = self.hasher.ids(entry.request.prompt_ids + message.output_ids)[: blocks.stop]
+        owner = LeaseOwner(rid, LeaseKind.ANSWER)
         try:
-            answer = self.store.lease((rid, "answer"), ids, verify=False, count=False, ttl_s=_ANSWER_TTL_S,
+            answer = self.store.lease(owner, ids, verify=False, count=False, ttl_s=_ANSWER_TTL_S,
                                       keep_s=entry.request.keep_s)
         except StoreFull:
-            answer = self.store.lease((rid, "answer"), [], verify=False, count=False)  # no room: keep none
+            answer = self.store.lease(owner, [], verify=False, count=False)  # no room: keep none
         if answer.hit < blocks.start:  # the prompt's blocks are not all stored: the answer's cannot hang there
-            self.store.release((rid, "answer"))
-            answer = self.store.lease((rid, "answer"), [], verify=False, count=False)
+            self.store.release(owner)
+            answer = self.store.lease(owner, [], verify=False, count=False)
         entry.answer = answer
+        entry.enter(Phase.ANSWERING)
         first = answer.hit if answer.ids else blocks.stop
         entry.answer_landed = [0] * (blocks.stop - first)
         if answer.new_slots:  # the next turn of this chat may arrive before they do: it waits for them
@@ -713,7 +594,7 @@ class KvShuttleStage(Stage):
         """Index the answer's blocks where decode wrote them (the request's lease holds them)."""
         lease = entry.lease
         ids = self.hasher.ids(entry.request.prompt_ids + output_ids)[: blocks.stop]
-        self.store.extend(entry.request.request_id, ids=ids)
+        self.store.grow_lease(LeaseOwner(entry.request.request_id), ids=ids)
         for i in range(blocks.start, min(blocks.stop, len(lease.slots))):
             self.store.commit(lease, i)  # (False: stored already, or its parent is gone)
 
@@ -737,9 +618,9 @@ class KvShuttleStage(Stage):
 
     def _free(self, entry: _Entry, unfinished: bool) -> None:
         rid = entry.request.request_id
-        quarantine = _LATE_WRITES_S if unfinished else 0.0
-        self.store.release(rid, quarantine)
-        self.store.release((rid, "answer"), quarantine)
+        quarantine = LATE_WRITES_S if unfinished else 0.0
+        self.store.release(LeaseOwner(rid), quarantine)
+        self.store.release(LeaseOwner(rid, LeaseKind.ANSWER), quarantine)
         self.computing.done(entry.writer)  # stored, or never will be: whoever waits goes on
         self.computing.done(entry.answer_writer)
         entry.decode_destination.cancel()
@@ -773,7 +654,7 @@ class KvShuttleStage(Stage):
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(_EXPIRY_INTERVAL_S)
-            for owner in self.store.expire(quarantine_s=_LATE_WRITES_S):
-                rid = owner[0] if isinstance(owner, tuple) else owner
-                self.log.warning("store.lease_expired", request_id=rid)
-                self._end(rid, unfinished=True)
+            for owner in self.store.expire(quarantine_s=LATE_WRITES_S):
+                self.log.warning("store.lease_expired", request_id=owner.request_id, lease=owner.kind.value)
+                if owner.kind in _ENDS_ITS_REQUEST:
+                    self._end(owner.request_id, unfinished=True)

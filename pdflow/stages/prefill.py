@@ -272,7 +272,7 @@ class PrefillStage(Stage):
 
     def _attended(self, job: _Job, plan: KvPlan, arena: _InArena):
         """Layer *l*'s keys and values of the whole prompt, the cached prefix (which the lease
-        pins) and the new tokens (written by then): where they are when the request's slots are
+        holds) and the new tokens (written by then): where they are when the request's slots are
         consecutive, else gathered once."""
         kv, n, table = arena.layout.kv, len(job.request.prompt_ids), plan.prefix_slots + plan.slots
         first, count = table[0], len(table)

@@ -19,20 +19,36 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from pdflow.engine import DecodeBatch, SamplerFactory, Sequence, load_model
 from pdflow.engine.chunked import ChunkedPrefill
-from pdflow.engine.stopping import after_decode_step, finish_reason, in_order
+from pdflow.engine.stopping import finish_reason
 from pdflow.kv.blocks import BlockHasher, answer_blocks
 from pdflow.kv.local_cache import LocalPrefixCache
-from pdflow.messages import KvForget, KvForgotten, PrefillRequest, StopRequest, Tokens
+from pdflow.messages import KvForget, KvForgotten, PrefillRequest, Route, StopRequest, Tokens
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.speculative import speculation_for
 from pdflow.stages.engine_thread import engine_thread, run_in
 from pdflow.stages.step_counts import CountsDecodeSteps
+from pdflow.stages.step_tokens import SendsStepTokens
 
 
-class WorkerStage(CountsDecodeSteps, Stage):
+@dataclass(slots=True, eq=False)
+class WorkerContext:
+    """What the worker keeps for a sequence of its batch (``seq.context``)."""
+
+    request: PrefillRequest
+    timeline: dict  # its prefill's: queued, started, ended
+    tokens: list[int]  # its output tokens so far (the last one was never fed back: it has no KV)
+    finished: bool = False  # its last token came: its answer's KV goes into the cache as it leaves
+
+    @property
+    def route(self) -> Route:
+        return self.request.route
+
+
+class WorkerStage(SendsStepTokens, CountsDecodeSteps, Stage):
     kind = "worker"
     outputs = {"tokens": "ingress"}
     opens = (PrefillRequest,)
@@ -137,8 +153,8 @@ class WorkerStage(CountsDecodeSteps, Stage):
 
     def _keep_answer(self, seq: Sequence) -> None:
         """Before ``seq`` leaves the batch: its answer's full blocks into the store."""
-        request: PrefillRequest = seq.extra["request"]
-        output_ids = seq.extra["tokens"][:-1]  # the last token was never fed back: it has no KV
+        context: WorkerContext = seq.context
+        request, output_ids = context.request, context.tokens[:-1]
         n, bt = len(request.prompt_ids), self.cache.block_tokens
         blocks = answer_blocks(n, n + len(output_ids), bt)
         if blocks:
@@ -147,7 +163,7 @@ class WorkerStage(CountsDecodeSteps, Stage):
 
     def _iterate(self, remove: list[Sequence]):
         for seq in remove:
-            if self.cache is not None and seq.extra.get("finished"):
+            if self.cache is not None and seq.context.finished:
                 self._keep_answer(seq)
             self.batch.remove(seq)
         finished_prefills = self._prefill_work()
@@ -158,8 +174,8 @@ class WorkerStage(CountsDecodeSteps, Stage):
                                    self.model.max_context)
             if reason is None and request.request_id not in self.gone:
                 history = [*request.prompt_ids, token] if self.batch.speculation is not None else None
-                seq = Sequence(request.request_id, n, token, run.sampler, history=history)
-                seq.extra = {"request": request, "timeline": timeline, "steps": [], "tokens": [token]}
+                seq = Sequence(request.request_id, n, token, run.sampler, history=history,
+                               context=WorkerContext(request, timeline, [token]))
                 self.batch.add(seq, run.layer_kv)
                 joined.append(seq)
             timeline["finish"] = reason
@@ -191,23 +207,11 @@ class WorkerStage(CountsDecodeSteps, Stage):
                 await self.send_output("tokens", request.route, first)
             for seq in joined:
                 self.running[seq.request_id] = seq
-            await self._emit(results)
+            await self.send_step_tokens(results, self.gone)
 
-    async def _emit(self, results: list[tuple[Sequence, int]]) -> None:
-        now = time.monotonic()
-        for seq, token, behind in in_order(results):
-            if seq.request_id not in self.running or seq.request_id in self.gone:
-                continue
-            request: PrefillRequest = seq.extra["request"]
-            reason = after_decode_step(seq, token, self.model, now, behind)
-            seq.extra["tokens"].append(token)
-            timeline = {}
-            if reason is not None:
-                seq.extra["finished"] = True
-                self.gone.add(seq.request_id)
-                self.finish(seq.request_id)
-                timeline = {**seq.extra["timeline"], "decode.steps": seq.extra["steps"], "decode.end": [now]}
-            message = Tokens(seq.request_id, seq.generated - 1 - behind, [token], reason, timeline,
-                             draft_proposed=seq.proposed, draft_accepted=seq.accepted,
-                             logprobs=seq.sampler.take_logprobs())
-            await self.send_output("tokens", request.route, message)
+    def last_token(self, seq: Sequence, now: float) -> dict:
+        """``seq`` generated its last token: it is over here (its answer's KV is kept as it leaves)."""
+        context: WorkerContext = seq.context
+        context.finished = True
+        self.finish(seq.request_id)
+        return {**context.timeline, "decode.steps": seq.steps, "decode.end": [now]}

@@ -220,8 +220,8 @@ def settled(server, timeout_s: float = 60.0) -> dict:
                 if info["in_flight"]:
                     problems.append(f"{name} holds {info['in_flight']} requests")
                 stats = info.get("stats", {})
-                if stats.get("leases") or stats.get("pinned_blocks"):
-                    problems.append(f"{name} holds {stats.get('leases')} leases, {stats.get('pinned_blocks')} pinned")
+                if stats.get("leases") or stats.get("leased_blocks"):
+                    problems.append(f"{name} holds {stats.get('leases')} leases, {stats.get('leased_blocks')} leased blocks")
                 if stats.get("pool_free_blocks") != stats.get("pool_blocks"):
                     problems.append(f"{name} holds {stats['pool_blocks'] - stats['pool_free_blocks']} pool blocks")
             if not problems:

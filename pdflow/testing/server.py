@@ -357,7 +357,7 @@ class PdflowServer:
 
 
 def held(stats: dict) -> dict:
-    """What a store's stats say holds memory (leases by holder, pinned and used blocks): short
+    """What a store's stats say holds memory (leases by holder, leased and used blocks): short
     enough for an assertion message to show whole."""
-    keep = ("leases", "pinned_blocks", "blocks_used", "blocks_cached", "blocks_quarantined")
+    keep = ("leases", "leased_blocks", "blocks_used", "blocks_cached", "blocks_quarantined")
     return {name: value for name, value in stats.items() if name in keep or name.startswith("leases_") and value}
