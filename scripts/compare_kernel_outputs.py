@@ -189,14 +189,16 @@ def compare_attention(c: Comparison) -> None:
 
         def head_major(lib, heads=heads, kv_heads=kv_heads, head_dim=head_dim, lengths=lengths):
             batch, capacity = len(lengths), max(lengths) + 3  # one slot per sequence: (kv_heads, capacity, head_dim)
-            keys, values = torch.randn(batch, kv_heads, capacity, head_dim), torch.randn(batch, kv_heads, capacity, head_dim)
+            keys = torch.randn(batch, kv_heads, capacity, head_dim)
+            values = torch.randn(batch, kv_heads, capacity, head_dim)
             q, out = torch.randn(batch, heads, head_dim), torch.empty(batch, heads, head_dim)
             new_k, new_v = torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
             lengths_, table = torch.tensor(lengths), torch.arange(batch)
             lib.pdflow_decode_attention(
-                q.data_ptr(), batch, heads, kv_heads, head_dim, lengths_.data_ptr(), table.data_ptr(), 1, capacity, keys.data_ptr(), values.data_ptr(),
-                kv_heads * capacity * head_dim, head_dim, capacity * head_dim, new_k.data_ptr(), new_v.data_ptr(),
-                kv_heads * head_dim, kv_heads * head_dim, head_dim ** -0.5, None, out.data_ptr(), 2)
+                q.data_ptr(), batch, heads, kv_heads, head_dim, lengths_.data_ptr(), table.data_ptr(), 1, capacity,
+                keys.data_ptr(), values.data_ptr(), kv_heads * capacity * head_dim, head_dim, capacity * head_dim,
+                new_k.data_ptr(), new_v.data_ptr(), kv_heads * head_dim, kv_heads * head_dim, head_dim ** -0.5, None,
+                out.data_ptr(), 2)
             return out, keys, values
 
         c.check("pdflow_decode_attention (head-major)", f"{heads}/{kv_heads}x{head_dim}, {lengths}", head_major)

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -115,7 +116,7 @@ def _cache_dir() -> Path:
     return cache_dir() / "kernels"
 
 
-def compile_library(compiler: str, sources, target: Path, flags=FLAGS) -> None:
+def compile_library(compiler: str, sources: Iterable[Path], target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     """Compile ``sources`` (C files; the headers they include beside them) into the shared library
     ``target``; RuntimeError with the compiler's message if it fails."""
     result = subprocess.run([compiler, *flags, "-o", str(target), *map(str, sources), *LIBS],
@@ -156,7 +157,7 @@ _SCALARS = {"void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64
             "float": ctypes.c_float}
 
 
-def ctype(c_type: str):
+def ctype(c_type: str) -> type | None:
     """The ctypes type that passes a (normalized, :func:`header.normalize`) C type: a pointer as
     ``c_void_p`` (tensors' ``data_ptr()``, ctypes arrays, None for NULL), ``pdflow_layer *`` as a
     pointer to :class:`Layer`; ValueError for a type the header should not use."""
