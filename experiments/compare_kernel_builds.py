@@ -1,9 +1,14 @@
-"""Time int4-a16 products (one row, or ``--rows`` rows: a verify pass of speculative decoding) of SmolLM2's layer shapes in this checkout's kernels against
-another build of qgemm.c (e.g. one compiled from an earlier commit), alternating in one process.
+"""Time int4-a16 products (one row, or ``--rows`` rows: a verify pass of speculative decoding) of
+SmolLM2's layer shapes in this checkout's kernels against another build of them, alternating in
+one process. The other build is a git revision's kernel sources (``pdflow/kernels/*.c``, or
+``pdflow/engine/kernels/*.c`` before they moved), compiled here with this checkout's flags, or a
+shared library built before:
 
-    git show OLD:pdflow/kernels/qgemm.c > /tmp/old.c
-    gcc -O3 -march=native -fopenmp -shared -fPIC -o /tmp/old.so /tmp/old.c -lm
+    .venv/bin/python experiments/compare_kernel_builds.py OLD_COMMIT
     .venv/bin/python experiments/compare_kernel_builds.py /tmp/old.so
+
+The other build's functions are declared as this checkout's pdflow_kernels.h has them (those it
+lacks are left out): compare against revisions whose signatures are the same.
 
 A layer's four products (QKV 960x576, output 576x576, gate/up 3072x576, down 576x1536) use 2.8 MB
 of int4 weights, which stay in the caches: this times the kernels' arithmetic, not memory (the
@@ -22,7 +27,10 @@ from __future__ import annotations
 
 import ctypes
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,17 +40,44 @@ from pdflow.engine.weights import registry
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) of a SmolLM2 layer
 LAYERS = 30
+KERNEL_DIRECTORIES = ("pdflow/kernels", "pdflow/engine/kernels")  # where revisions keep the C sources
+
+
+def other_build(other: str) -> ctypes.CDLL:
+    """The library ``other`` names: a shared library's path, or a git revision of this repository
+    whose kernel sources are compiled here (with this checkout's compiler and flags)."""
+    if Path(other).is_file():
+        return kernels.declare(ctypes.CDLL(other), missing_ok=True)
+    root = Path(__file__).resolve().parent.parent
+    listing = ""
+    for directory in KERNEL_DIRECTORIES:
+        listing = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", f"{other}:{directory}"],
+                                 capture_output=True, text=True).stdout
+        if listing:
+            break
+    if not listing:
+        raise SystemExit(f"{other!r} is neither a file nor a revision with kernel sources in {KERNEL_DIRECTORIES}")
+    with tempfile.TemporaryDirectory(prefix="pdflow-kernels-") as tmp:  # loaded, the library outlives its file
+        workdir = Path(tmp)
+        for name in listing.split():
+            if name.endswith((".c", ".h")):
+                source = subprocess.run(["git", "-C", str(root), "show", f"{other}:{directory}/{name}"],
+                                        capture_output=True, check=True).stdout
+                (workdir / name).write_bytes(source)
+        target = workdir / "kernels.so"
+        kernels.compile_library(kernels._compiler() or "cc", sorted(workdir.glob("*.c")), target)
+        return kernels.declare(ctypes.CDLL(str(target)), missing_ok=True)
 
 
 def main() -> int:
     parser = experiment_parser(__doc__)
-    parser.add_argument("other", help="a shared library built from another qgemm.c")
+    parser.add_argument("other", help="a git revision whose kernels to build, or a shared library built before")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=1, help="rows of x per product (default: %(default)s)")
     parser.add_argument("--context", type=int, nargs="+", help="time the model's decode layers at these contexts")
     opts = parser.parse_args()
-    builds = {"this checkout": kernels.library(), opts.other: kernels._declare(ctypes.CDLL(opts.other))}
+    builds = {"this checkout": kernels.library(), opts.other: other_build(opts.other)}
     if builds["this checkout"] is None:
         raise SystemExit(f"pdflow's kernels are not available: {kernels.unavailable_reason()}")
     torch.set_num_threads(opts.threads)

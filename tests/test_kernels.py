@@ -36,7 +36,7 @@ def test_two_processes_building_at_once_make_one_library(tmp_path):
     for (out, err), probe in zip(outputs, probes):
         assert probe.returncode == 0, err
         assert out.split() == ["built", "2048.0"]
-    assert len(list((tmp_path / "kernels").glob("qgemm-*.so"))) == 1
+    assert len(list((tmp_path / "kernels").glob("pdflow-kernels-*.so"))) == 1
 
 
 def test_without_a_working_compiler_formats_fall_back_and_say_why(tmp_path):
@@ -134,7 +134,7 @@ def test_greedy_argmax_is_torch_argmax_on_ties_nans_infinities_and_tails():
 
 
 def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):
-    """On a CPU without AVX2 the same file compiles to plain C loops: built here with AVX2 turned
+    """On a CPU without AVX2 the same files compile to plain C loops: built here with AVX2 turned
     off, every product gives the vectorized build's results (up to float order)."""
     import ctypes
     import shutil
@@ -148,9 +148,8 @@ def test_the_portable_c_products_compute_what_the_vector_ones_do(tmp_path):
     if lib is None or compiler is None or not shutil.which(compiler):
         pytest.skip(kernels.unavailable_reason() or "no compiler")
     target = tmp_path / "portable.so"
-    subprocess.run([compiler, "-O2", "-mno-avx2", "-fopenmp", "-shared", "-fPIC", "-o", str(target),
-                    *map(str, kernels.SOURCES), "-lm"], check=True, capture_output=True, timeout=300)
-    portable = kernels._declare(ctypes.CDLL(str(target)))
+    kernels.compile_library(compiler, kernels.SOURCES, target, flags=("-O2", "-mno-avx2", "-fopenmp", "-shared", "-fPIC"))
+    portable = kernels.declare(ctypes.CDLL(str(target)))
     torch.manual_seed(7)
     products = {"int4": "pdflow_q4_gemm", "int8": "pdflow_q8_gemm", "int4-a16": "pdflow_q4a16_gemm",
                 "int8-a16": "pdflow_q8a16_gemm", "int4-a8": "pdflow_q4a8_gemm", "int8-a8": "pdflow_q8a8_gemm"}
@@ -191,7 +190,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(served_model):
 
 
 def test_a_build_without_avx512_sums_blocked_int4_the_same(tmp_path):
-    """int4-a16-blocked on a CPU with AVX2 but no AVX-512 (here: this file built with AVX-512 and
+    """int4-a16-blocked on a CPU with AVX2 but no AVX-512 (here: these files built with AVX-512 and
     AMX turned off) takes its AVX2 path, and gives this machine's results bit for bit."""
     import ctypes
     import shutil
@@ -203,10 +202,10 @@ def test_a_build_without_avx512_sums_blocked_int4_the_same(tmp_path):
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU has no AVX2")
     target = tmp_path / "avx2.so"
-    subprocess.run([compiler, "-O2", "-march=native", "-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-fopenmp",
-                    "-shared", "-fPIC", "-o", str(target), *map(str, kernels.SOURCES), "-lm"],
-                   check=True, capture_output=True, timeout=300)
-    avx2 = kernels._declare(ctypes.CDLL(str(target)))
+    kernels.compile_library(compiler, kernels.SOURCES, target, flags=("-O2", "-march=native", "-mno-avx512f",
+                                                                      "-mno-amx-tile", "-mno-amx-int8", "-fopenmp",
+                                                                      "-shared", "-fPIC"))
+    avx2 = kernels.declare(ctypes.CDLL(str(target)))
     assert avx2.pdflow_q4b_paths() == (1 << 1) | (1 << 4)  # plain C and AVX2
     torch.manual_seed(8)
     _same_blocked_sums(avx2, lib, 64, 288, (1, 2, 5))

@@ -1,7 +1,10 @@
-"""pdflow's own CPU kernels: int8 and int4 weight-only matrix products, the small fused steps of
-a decode layer (RMSNorm, rotary embedding, SiLU-gated product) and decode attention that reads
-each sequence's keys and values where they are (``qgemm.c``); the integer KV codecs' encode and
-decode (``kvquant.c``).
+"""pdflow's own CPU kernels: int8 and int4 weight-only matrix products (``products_fp32.c``,
+``products_a8.c``, ``products_a16.c``; in blocks of 16 outputs, ``q4blocked.c``), the small fused
+steps of a decode layer (RMSNorm, rotary embedding, SiLU-gated product: ``layer_ops.c``), decode
+attention that reads each sequence's keys and values where they are (``attention.c``), a decode
+step's layers in one call (``decode_step.c``), and the integer KV codecs' encode and decode
+(``kvquant.c``). ``pdflow_kernels.h`` declares what Python calls; :func:`declare` reads the
+ctypes declarations from it (:mod:`pdflow.kernels.header`).
 
 Why our own: on this project's CPUs, PyTorch's weight-only kernels (``aten._weight_int8pack_mm``,
 ``aten._weight_int4pack_mm_for_cpu``, the ones torchao's CPU paths call) made the decode step
@@ -12,9 +15,9 @@ eight PyTorch operations it replaces, whose dispatch outweighs their arithmetic.
 
 The C files are compiled on first use with the host's compiler (``$CC``, else ``cc``/``gcc``) for
 the host's CPU (``-O3 -march=native -fopenmp``) into ``$PDFLOW_CACHE_DIR/kernels/`` (default
-``~/.cache/pdflow/kernels``), keyed by the source, the compiler and the CPU, under a file lock
-(prefill and decode start together). :func:`library` returns None, and says why once in the log,
-where no compiler works; callers then fall back to PyTorch's own operations.
+``~/.cache/pdflow/kernels``), keyed by the sources and headers, the compiler and the CPU, under a
+file lock (prefill and decode start together). :func:`library` returns None, and says why once in
+the log, where no compiler works; callers then fall back to PyTorch's own operations.
 """
 
 from __future__ import annotations
@@ -28,16 +31,21 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
+
+from pdflow.kernels import header
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("pdflow.kernels")
 
-SOURCE = Path(__file__).with_name("qgemm.c")
-SOURCES = (SOURCE, Path(__file__).with_name("kvquant.c"), Path(__file__).with_name("q4blocked.c"))
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / name for name in ("products_fp32.c", "products_a8.c", "products_a16.c", "q4blocked.c",
+                                          "layer_ops.c", "attention.c", "decode_step.c", "kvquant.c"))
+HEADERS = tuple(_HERE / name for name in ("pdflow_kernels.h", "helpers.h", "portable_products.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 MAX_ROWS = 64  # rows of x one call takes (the C side's tiles); more go to sgemm
@@ -45,7 +53,7 @@ MAX_INPUTS = 8192  # in_features the C side's row buffer holds
 
 
 class Matrix(ctypes.Structure):
-    """``pdflow_matrix``: a packed weight as the C side reads it (see qgemm.c)."""
+    """``pdflow_matrix`` (pdflow_kernels.h): a packed weight as the C side reads it."""
 
     _fields_ = [("bits", ctypes.c_int32), ("activation_bits", ctypes.c_int32), ("n_out", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("low", ctypes.c_void_p),
@@ -53,7 +61,7 @@ class Matrix(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """``pdflow_layer``: one decoder layer's norms and packed matrices."""
+    """``pdflow_layer`` (pdflow_kernels.h): one decoder layer's norms and packed matrices."""
 
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", Matrix), ("o", Matrix),
                 ("gate_up", Matrix), ("down", Matrix)]
@@ -108,13 +116,30 @@ def _cache_dir() -> Path:
     return cache_dir() / "kernels"
 
 
-def _build(compiler: str) -> Path:
+def compile_library(compiler: str, sources: Iterable[Path], target: Path, flags: tuple[str, ...] = FLAGS) -> None:
+    """Compile ``sources`` (C files; the headers they include beside them) into the shared library
+    ``target``; RuntimeError with the compiler's message if it fails."""
+    result = subprocess.run([compiler, *flags, "-o", str(target), *map(str, sources), *LIBS],
+                            capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+
+
+def _build_key(compiler: str) -> str:
+    """What the library is built from: every source and header (a header's change changes the
+    library as a source's does), the compiler's version, the CPU and the flags."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + version.encode() + _cpu_identity().encode()
-                         + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(version.encode() + _cpu_identity().encode() + " ".join(FLAGS).encode())
+    return digest.hexdigest()[:16]
+
+
+def _build(compiler: str) -> Path:
     directory = _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"qgemm-{key}.so"
+    target = directory / f"pdflow-kernels-{_build_key(compiler)}.so"
     if target.exists():
         return target
     with open(directory / ".lock", "w") as lock:
@@ -123,54 +148,41 @@ def _build(compiler: str) -> Path:
             return target
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), *LIBS],
-                                    capture_output=True, text=True, timeout=300)
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            compile_library(compiler, SOURCES, built)
             os.replace(built, target)
     return target
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.pdflow_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
-    lib.pdflow_q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
-    lib.pdflow_q8a8_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
-    lib.pdflow_q4a8_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
-    lib.pdflow_q8a16_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
-    lib.pdflow_q4a16_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
-    lib.pdflow_q8_dequantize.argtypes = [p, p, i64, i64, p, i32]
-    lib.pdflow_q4_dequantize.argtypes = [p, p, p, i64, i64, p, i32]
-    lib.pdflow_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
-    lib.pdflow_rope.argtypes = [p, i64, i64, i64, i64, p, p, p, p]
-    lib.pdflow_silu_mul.argtypes = [p, i64, i64, p]
-    lib.pdflow_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64, i64, i64,
-                                            p, p, i64, i64, ctypes.c_float, p, p, i32]
-    lib.pdflow_decode_layers.argtypes = [ctypes.POINTER(Layer), i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                                         p, p, p, p, p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, i32]
-    if hasattr(lib, "pdflow_argmax_rows"):  # not in builds of earlier commits (compare_kernel_builds.py)
-        lib.pdflow_argmax_rows.argtypes = [p, i64, i64, p]
-        lib.pdflow_argmax_rows.restype = None
-    if hasattr(lib, "pdflow_q4b_gemm"):  # (not in a build of qgemm.c alone)
-        lib.pdflow_q4b_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, i32, i32]
-        lib.pdflow_q4b_gemm.restype = i32
-        lib.pdflow_q4b_paths.argtypes = []
-        lib.pdflow_q4b_paths.restype = i32
-        lib.pdflow_q4b_dequantize.argtypes = [p, p, p, i64, i64, p, i32]
-        lib.pdflow_q4b_dequantize.restype = None
-        lib.pdflow_q8b_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32, i32]
-        lib.pdflow_q8b_gemm.restype = i32
-        lib.pdflow_q8b_dequantize.argtypes = [p, p, i64, i64, p, i32]
-        lib.pdflow_q8b_dequantize.restype = None
-    if hasattr(lib, "pdflow_kv_encode"):  # a build of qgemm.c alone (scripts/compare_kernel_builds.py) has none
-        lib.pdflow_kv_encode.argtypes = [p, i64, i64, i64, i32, i64, i32, i32, p, i64]
-        lib.pdflow_kv_encode.restype = i32
-        lib.pdflow_kv_decode.argtypes = [p, i64, i64, i64, i64, i32, i64, i32, i32, p]
-        lib.pdflow_kv_decode.restype = None
-    for fn in (lib.pdflow_decode_layers, lib.pdflow_q8_gemm, lib.pdflow_q4_gemm, lib.pdflow_q8a8_gemm, lib.pdflow_q4a8_gemm,
-               lib.pdflow_q8a16_gemm, lib.pdflow_q4a16_gemm, lib.pdflow_q8_dequantize, lib.pdflow_q4_dequantize,
-               lib.pdflow_rms_norm, lib.pdflow_rope, lib.pdflow_silu_mul, lib.pdflow_decode_attention):
-        fn.restype = None
+_SCALARS = {"void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+            "float": ctypes.c_float}
+
+
+def ctype(c_type: str) -> type | None:
+    """The ctypes type that passes a (normalized, :func:`header.normalize`) C type: a pointer as
+    ``c_void_p`` (tensors' ``data_ptr()``, ctypes arrays, None for NULL), ``pdflow_layer *`` as a
+    pointer to :class:`Layer`; ValueError for a type the header should not use."""
+    if c_type == "pdflow_layer *":
+        return ctypes.POINTER(Layer)
+    if c_type.endswith("*"):
+        return ctypes.c_void_p
+    if c_type not in _SCALARS:
+        raise ValueError(f"pdflow_kernels.h uses {c_type!r}, which pdflow.kernels cannot pass through ctypes")
+    return _SCALARS[c_type]
+
+
+def declare(lib: ctypes.CDLL, *, missing_ok: bool = False) -> ctypes.CDLL:
+    """``lib`` with every function of pdflow_kernels.h given its argtypes and restype, read from the
+    header's prototypes. A function the build lacks raises RuntimeError, unless ``missing_ok``
+    (a build of an older commit's sources, experiments/compare_kernel_builds.py: its functions are
+    declared as this header has them)."""
+    for prototype in header.read().prototypes.values():
+        if not hasattr(lib, prototype.name):
+            if missing_ok:
+                continue
+            raise RuntimeError(f"the kernels' build has no {prototype.name}, which pdflow_kernels.h declares")
+        function = getattr(lib, prototype.name)
+        function.argtypes = [ctype(p.type) for p in prototype.parameters]
+        function.restype = ctype(prototype.result)
     return lib
 
 
@@ -188,7 +200,7 @@ def library() -> ctypes.CDLL | None:
                 _failure = "no C compiler ($CC, cc or gcc) on PATH"
             else:
                 try:
-                    _loaded = _declare(ctypes.CDLL(str(_build(compiler))))
+                    _loaded = declare(ctypes.CDLL(str(_build(compiler))))
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     _failure = str(exc)
             if _failure:

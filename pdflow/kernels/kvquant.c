@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pdflow_kernels.h"
+
 /* float16 <-> float32, round to nearest even (as torch's .half()) */
 static uint16_t to_half(float f) {
     uint32_t x;

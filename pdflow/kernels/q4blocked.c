@@ -2,7 +2,7 @@
  * "int4-a16-blocked" weight format (pdflow/engine/weights/formats.py), and int8 weights in the
  * same blocks for its output projection (further down).
  *
- * Why another layout: the row-major int4 products (qgemm.c) sum each output horizontally (a
+ * Why another layout: the row-major int4 products (products_a16.c) sum each output horizontally (a
  * group's products in four int32 lanes, converted, scaled, and the lanes reduced once per output)
  * so that a row's result does not depend on the rows beside it. For SmolLM2's 576 inputs that
  * per-output finishing costs about what the loop does, and it caps a verify pass's extra rows at
@@ -18,7 +18,7 @@
  * are (blocks, groups, 16) floats.
  *
  * Arithmetic, identical on every path (AMX tiles, AVX-512 VNNI, AVX2, plain C), for output n and row m
- * with x quantized to int16 per group (xq, scale xs, xsum = xs * sum of xq: qgemm.c's rule):
+ * with x quantized to int16 per group (xq, scale xs, xsum = xs * sum of xq: pdflow_quantize16):
  *     D = sum over the group's 32 inputs of xq * code             (exact in int32)
  *     acc = fma(float(D) * xs[m][g], scale[n][g], acc)
  *     lows = fma(low[n][g], xsum[m][g], lows)                     (g ascending)
@@ -33,12 +33,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pdflow_kernels.h"
+
 #define Q4B_GROUP 32
 #define Q4B_BLOCK 16
 #define Q4B_BYTES 256  /* of one block's group */
 #define Q8B_BYTES 512  /* of one block's group of int8 weights */
-
-void pdflow_quantize16(const float *x, int64_t rows, int64_t k, int16_t *xq, float *xs, float *xsum);  /* qgemm.c */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q4B_VNNI 1
@@ -67,9 +67,6 @@ enum { PATH_AUTO = 0, PATH_PLAIN = 1, PATH_VNNI = 2, PATH_AMX = 3, PATH_AVX2 = 4
  * VNNI's speed, 8 rows 1.0-1.2x, 12 rows 1.1-1.3x; its int8 head 1.4x at 8; docs/benchmarks.md,
  * "Engine"). Prefill's many rows take AMX too (formats.py). */
 #define AMX_ROWS 8
-
-/* The paths this build and CPU can run, as a bit mask of 1 << path. */
-int pdflow_q4b_paths(void);
 
 /* ---- plain C: the reference every other path matches bit for bit (low NULL: int8) ---- */
 static void q4b_plain(const int16_t *xq, const float *xs, const float *xsum, int64_t rows, int64_t k,
@@ -118,7 +115,7 @@ static inline void q4b_unpack(const uint8_t *qg, __m512i w[8]) {
 }
 
 /* A block's codes, scales and minimums are three streams read once, in order, by each thread:
- * fetch each ahead (as qgemm.c's prefetch_ahead does for its rows: the hardware prefetchers of
+ * fetch each ahead (as helpers.h's prefetch_ahead does for its rows: the hardware prefetchers of
  * this VM keep too few lines in flight for them). Prefetches never fault past the end. */
 #define Q4B_PREFETCH_BYTES 4096
 static inline void q4b_prefetch(const uint8_t *qg, const float *sg, const float *lg) {
@@ -288,7 +285,7 @@ static int q4b_amx_ready(void) {
 
 /* tiles: 0, 1 the low and high bytes' int32 sums (M x 16); 2, 3 their activations (M x 32
  * bytes); 4 the block's codes (8 x 64 bytes). The configuration is static (thread-local): a
- * stack copy of it was seen optimized into an invalid one at -O2 (scripts/probe_amx.py). */
+ * stack copy of it was seen optimized into an invalid one at -O2 (experiments/probe_amx.py). */
 static __thread q4b_tile_config tile_config __attribute__((aligned(64)));
 
 static void q4b_configure(int M) {
