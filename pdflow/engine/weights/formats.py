@@ -96,7 +96,7 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
 
 def pack_nibbles(q: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """(out, in) values 0..15 -> (out, in // 2) bytes: per group, input i < 16 in the low nibble of
-    byte i and input 16 + i in its high nibble (the layout of ``qgemm.c``)."""
+    byte i and input 16 + i in its high nibble (the layout of pdflow/kernels/products_*.c)."""
     out_features, in_features = q.shape
     g = q.reshape(out_features, in_features // group, group)
     half = group // 2
@@ -181,7 +181,7 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: 
 
 class Int8(WeightFormat):
     name = "int8"
-    kernel = "pdflow qgemm.c int8 (groups of 32, fp32 activations); sgemm on a dequantized copy past 64 rows"
+    kernel = "pdflow kernels int8 (groups of 32, fp32 activations); sgemm on a dequantized copy past 64 rows"
     activation_bits = 32
 
     def pack(self, weight, bias=None, *, output=False):
@@ -190,7 +190,7 @@ class Int8(WeightFormat):
 
 class Int4(WeightFormat):
     name = "int4"
-    kernel = ("pdflow qgemm.c int4 (groups of 32 with scale and minimum, fp32 activations), lm_head int8; "
+    kernel = ("pdflow kernels int4 (groups of 32 with scale and minimum, fp32 activations), lm_head int8; "
               "sgemm on a dequantized copy past 64 rows")
     activation_bits = 32
 
@@ -203,28 +203,28 @@ class Int4(WeightFormat):
 
 class Int8A8(Int8):
     name = "int8-a8"
-    kernel = ("pdflow qgemm.c int8 x int8 (activations quantized per group of 32 at each product, integer "
+    kernel = ("pdflow kernels int8 x int8 (activations quantized per group of 32 at each product, integer "
               "dot products); prefill (past 64 rows) as int8: sgemm on a dequantized copy")
     activation_bits = 8
 
 
 class Int8A16(Int8):
     name = "int8-a16"
-    kernel = ("pdflow qgemm.c int8 x int16 (activations quantized per group of 32 at each product, integer "
+    kernel = ("pdflow kernels int8 x int16 (activations quantized per group of 32 at each product, integer "
               "dot products); prefill (past 64 rows) as int8: sgemm on a dequantized copy")
     activation_bits = 16
 
 
 class Int4A16(Int4):
     name = "int4-a16"
-    kernel = ("pdflow qgemm.c int4 x int16 (activations quantized per group of 32 at each product, integer "
+    kernel = ("pdflow kernels int4 x int16 (activations quantized per group of 32 at each product, integer "
               "dot products), lm_head int8 x int16; prefill (past 64 rows) as int4: sgemm on a dequantized copy")
     activation_bits = 16
 
 
 class Int4A8(Int4):
     name = "int4-a8"
-    kernel = ("pdflow qgemm.c int4 x int8 (activations quantized per group of 32 at each product, integer "
+    kernel = ("pdflow kernels int4 x int8 (activations quantized per group of 32 at each product, integer "
               "dot products), lm_head int8 x int8; prefill (past 64 rows) as int4: sgemm on a dequantized copy")
     activation_bits = 8
 
@@ -283,8 +283,7 @@ class _Blocked(PackedLinear):
 
     @staticmethod
     def _library():
-        lib = kernels.library()
-        return lib if lib is not None and hasattr(lib, "pdflow_q4b_gemm") else None
+        return kernels.library()
 
     def dequantized(self) -> torch.Tensor:
         lib = self._library() if self.q.device.type == "cpu" else None

@@ -95,8 +95,7 @@ class Quantized(KvCodec):
             return None
         from pdflow import kernels
 
-        lib = kernels.library()
-        return lib if lib is not None and hasattr(lib, "pdflow_kv_encode") else None
+        return kernels.library()
 
     def _group(self, kind: int, channels: int) -> int:
         return self.params["key_group"] if kind == KEYS else self._value_group(channels)
