@@ -9,7 +9,7 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from pdflow.engine.loader import load_tokenizer, model_limits
+from pdflow.tokenizing import load_tokenizer, model_limits
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n", "naïve café — 東京 🙂", "<|im_start|>user"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pdflow.engine import weights as weight_formats
 from pdflow.engine.forward import TransformersForward, check_against_own_forward
 from pdflow.engine.llama import CompactLlama, unsupported_reason
 from pdflow.kv.layout import KvLayout, torch_dtype
+from pdflow.tokenizing import load_tokenizer, model_limits  # noqa: F401  (the engine's public names)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at run time
 
@@ -112,45 +112,3 @@ def load_transformers_model(model_dir: str | Path, dtype: str = "float32", devic
 
     model = AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=torch_dtype(dtype), attn_implementation="sdpa")
     return model.to(device).eval()
-
-
-# tokenizer_config.json's "tokenizer_class" values that name transformers' generic fast tokenizer
-_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The model's tokenizer, as ``AutoTokenizer`` gives it. Where the directory names the generic
-    fast tokenizer (and has its tokenizer.json), that class is built directly: AutoTokenizer
-    would first read the model's config through its config class, whose import pulls in
-    torch.distributed, about 1 s of every stage start that tokenizes."""
-    model_dir = Path(model_dir)
-    name = _json(model_dir / "tokenizer_config.json").get("tokenizer_class")
-    if name in _GENERIC_TOKENIZERS and (model_dir / "tokenizer.json").is_file():
-        import transformers
-
-        generic = getattr(transformers, name, None)
-        if generic is not None:
-            return generic.from_pretrained(model_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def model_limits(model_dir: str | Path) -> tuple[int, int]:
-    """(max_position_embeddings, vocab_size) of the model in ``model_dir``: from config.json where
-    it states them at its top level (no transformers import), else from AutoConfig; 2048 and 0
-    where neither says."""
-    config = _json(Path(model_dir) / "config.json")
-    if "max_position_embeddings" not in config or "vocab_size" not in config:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model_dir).to_dict()
-    return int(config.get("max_position_embeddings") or 2048), int(config.get("vocab_size") or 0)
-
-
-def _json(path: Path) -> dict:
-    try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return loaded if isinstance(loaded, dict) else {}

@@ -69,13 +69,17 @@ def _die_with_parent(launcher_pid: int | None) -> None:
 
 
 def _pin(cores: tuple[int, ...]) -> None:
-    import torch
-
+    """Pin the stage to ``cores`` (all it may use where none are named) and size torch's thread
+    pool to them. torch reads OMP_NUM_THREADS when it starts, so a stage that never imports it
+    (ingress, egress) does not pay for the import here."""
     if cores:
         os.sched_setaffinity(0, cores)
-        torch.set_num_threads(len(cores))
+    threads = len(cores) if cores else len(os.sched_getaffinity(0))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
     else:
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def main(launch: StageLaunch) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from pdflow.engine import load_tokenizer
+from pdflow.tokenizing import load_tokenizer
 from pdflow.messages import EgressRequest, StopRequest, Tokens
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.serving.text_stream import TextStream

@@ -25,7 +25,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from pdflow import routing
-from pdflow.engine.loader import load_tokenizer, model_limits
+from pdflow.tokenizing import load_tokenizer, model_limits
 from pdflow.kv.blocks import BlockHasher
 from pdflow.kv.holdings import Holdings
 from pdflow.messages import (
