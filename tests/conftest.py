@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers share the cores (scripts/test.sh runs one more than there are): an OpenMP thread that
+    # spins for ~300k iterations when its work ends (libgomp's default, and the launcher's for the
+    # stages) takes them from the other workers. Set before torch loads; stages inherit it.
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
+# The modules that take longest run first, so that when the suite runs in workers (one module per
+# worker at a time: scripts/test.sh, ``--dist loadfile``) no long module starts last, alone.
+LONGEST_FIRST = ("test_e2e_ray", "test_prefix_reuse", "test_e2e_hosts", "test_e2e_failures", "test_e2e_disk_tier",
+                 "test_e2e_transports", "test_hostile_http", "test_e2e_kv_structural", "test_e2e_kv_codecs",
+                 "test_e2e_models_by_path", "test_e2e", "test_transports", "test_cache_aware", "test_speculative")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.stem
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module's tests keep their order
 
 from pdflow.testing.server import PdflowServer
 
