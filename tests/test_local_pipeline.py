@@ -154,8 +154,8 @@ def test_a_handler_exception_reaches_the_client_at_once(running):
         Gate.armed = False
     assert error.status_code == 503 and "the gate is armed" in str(error)
     # from the moment the handler raised to the client holding the error: at once, not after the
-    # request timeout
-    assert elapsed < 1.0, elapsed
+    # request timeout (300 s; the bound leaves room for a loaded machine: the suite runs in workers)
+    assert elapsed < 5.0, elapsed
     assert all(v == 0 for sizes in _settle(running).values() for v in sizes.values())
 
 
