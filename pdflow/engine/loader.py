@@ -15,7 +15,6 @@ from pdflow.engine import weights as weight_formats
 from pdflow.engine.forward import TransformersForward, check_against_own_forward
 from pdflow.engine.llama import CompactLlama, unsupported_reason
 from pdflow.kv.layout import KvLayout, torch_dtype
-from pdflow.tokenizing import load_tokenizer, model_limits  # noqa: F401  (the engine's public names)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at run time
 
