@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from pdflow import __version__
+from pdflow import __version__, client_key
 
 _EPILOG = """examples:
   pdflow run topology.toml            serve the model behind an OpenAI-compatible API
@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
                          "and token rates, TTFT/TBT/E2E percentiles, each stage's replicas and the KV stores "
                          "and links. Ctrl-C leaves.")
     top.add_argument("--url", default="http://127.0.0.1:8000", help="pdflow's base URL (default: %(default)s)")
-    top.add_argument("--api-key", default=None, help="the API key, when the server wants one (default: $PDFLOW_API_KEY)")
+    client_key.add_argument(top)
     top.add_argument("--interval", type=_positive, default=2.0, help="seconds between scrapes (default: %(default)s)")
     top.add_argument("--once", action="store_true", help="print one frame (two scrapes an interval apart) and exit")
     return parser
@@ -204,6 +204,7 @@ def _trace_parser(sub) -> None:
     trace.add_argument("-o", "--output", default=None, metavar="JSON",
                        help="the trace file to write (default: trace-REQUEST_ID.json)")
     trace.add_argument("--png", default=None, metavar="PNG", help="also draw the timeline (needs matplotlib)")
+    client_key.add_argument(trace)
 
 
 def _bench(args) -> int:
@@ -228,6 +229,9 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
                        "send as `model`")
     group.add_argument("--max-model-len", metavar="TOKENS", help="model.max_model_len: the context served "
                        "(at most the model's own)")
+    group.add_argument("--metrics-open", action="store_true", default=None,
+                       help="server.metrics_open: serve GET /metrics without the API key (for a Prometheus "
+                       "that scrapes without credentials)")
     group.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", dest="sets",
                        help="any key, its value in TOML (--set stages.decode.replicas=2); repeatable")
 
@@ -246,6 +250,8 @@ def _overrides(args) -> list:
         if value is not None:
             flag = f"--{attr.replace('_', '-')} {value}"
             found.append(Override(key, toml_value(value) if numeric else value, flag))
+    if getattr(args, "metrics_open", None):
+        found.append(Override("server.metrics_open", True, "--metrics-open"))
     return found + [parse_set(text) for text in getattr(args, "sets", [])]
 
 

@@ -5,7 +5,7 @@ Timelines come from ``GET /debug/timeline/{request_id}``: ``time.monotonic()`` s
 in several processes of one host (one clock), under these keys:
 
 - ``prefill.start`` / ``prefill.end``; ``prefill.layer_done[l]``: layer *l*'s KV computed;
-- ``prefill.dequeued``: prefill got to the request (it queued before); ``prefill.plan_in``: its
+- ``prefill.queued``: the request reached prefill; ``prefill.dequeued``: prefill got to it; ``prefill.plan_in``: its
   store plan was there (later than ``dequeued`` when prefill waited for the store, e.g. for a
   prefix read from disk that the queue did not hide);
 - ``prefill.prefix_in[l]``: layer *l* of the cached prefix landed in prefill's buffer (a prefix
@@ -15,7 +15,9 @@ in several processes of one host (one clock), under these keys:
 - ``prefill.layer_sent[l]``: layer *l*'s keys and values handed to the data plane (the write
   returned);
 - ``decode.layer_in[l]``: layer *l* landed in decode's memory (through kv-shuttle);
-- ``decode.joined``, ``decode.steps`` (one per generated token), ``decode.end``.
+- ``decode.joined``, ``decode.steps`` (one per generated token), ``decode.end``;
+- the colocated worker's: ``worker.queued``, ``prefill.start`` / ``prefill.end``, ``decode.steps``,
+  ``decode.end``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+from pdflow import client_key
 
 
 def _transfer_starts(timeline: dict[str, list[float]]) -> list[float]:
@@ -54,6 +58,34 @@ def kv_summary(timeline: dict[str, list[float]]) -> dict[str, float]:
         "tail_over_one_layer": tail / one if one > 0 else float("nan"),
         "hidden_fraction": 1.0 - tail / whole if whole > 0 else float("nan"),
     }
+
+
+def _span(timeline: dict[str, list[float]], start: str, end: str) -> float | None:
+    first, last = timeline.get(start), timeline.get(end)
+    return max(last[-1] - first[0], 0.0) if first and last else None
+
+
+def request_phases(timeline: dict[str, list[float]], one_clock: bool) -> dict[str, float]:
+    """A finished request's phases in seconds, for the metrics: ``queue`` (waiting for prefill),
+    ``prefill``, ``decode`` (joining decode's batch to the last token); and where prefill and
+    decode read one clock (``one_clock``: the same machine), ``kv_transfer`` (the first KV write
+    began -> decode held every layer) and ``kv_tail`` (prefill's last layer computed -> decode
+    held every layer). A phase the timeline has no marks for is left out."""
+    colocated = "worker.queued" in timeline
+    spans = {
+        "queue": _span(timeline, "worker.queued", "prefill.start") if colocated
+        else _span(timeline, "prefill.queued", "prefill.dequeued"),
+        "prefill": _span(timeline, "prefill.start", "prefill.end"),
+        "decode": _span(timeline, "prefill.end", "decode.end") if colocated
+        else _span(timeline, "decode.joined", "decode.end"),
+    }
+    landed = timeline.get("decode.layer_in")
+    if one_clock and landed:
+        marks = {**timeline, "decode.held": [max(landed)],
+                 "prefill.last_layer_done": timeline.get("prefill.layer_done", [])[-1:]}
+        spans["kv_transfer"] = _span(marks, "prefill.send_start", "decode.held")
+        spans["kv_tail"] = _span(marks, "prefill.last_layer_done", "decode.held")
+    return {name: value for name, value in spans.items() if value is not None}
 
 
 LANES = ("compute", "KV transfer", "decode steps")
@@ -124,12 +156,17 @@ def cli_trace(args) -> int:
         import httpx
 
         try:
-            response = httpx.get(f"{args.url.rstrip('/')}/debug/timeline/{args.request_id}", timeout=30)
+            response = httpx.get(f"{args.url.rstrip('/')}/debug/timeline/{args.request_id}", timeout=30,
+                                 headers=client_key.headers(client_key.api_key(args)))
         except httpx.HTTPError as exc:
             sys.stderr.write(f"error: cannot reach {args.url}: {exc}\n")
             return 1
         if response.status_code != 200:
-            sys.stderr.write(f"error: {response.json().get('error', {}).get('message', response.text)}\n")
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            sys.stderr.write(f"error: {args.url} answered {response.status_code}: {message}\n")
             return 1
         timeline = response.json()
     output = Path(args.output or f"trace-{args.request_id}.json")

@@ -11,7 +11,6 @@ frame (two scrapes ``--interval`` apart) and exits: for scripts and logs.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 import urllib.error
@@ -22,6 +21,8 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
 from rich.table import Table
+
+from pdflow import client_key
 
 
 class ScrapeError(RuntimeError):
@@ -164,7 +165,9 @@ def render(before: Scrape | None, now: Scrape, url: str) -> Group:
     kv = Table(title="KV", title_justify="left")
     for column in ("replica", "hit ratio", "memory used", "disk used", "sent"):
         kv.add_column(column, justify="left" if column == "replica" else "right")
-    ratio = _by(now, "pdflow_kv_store_hit_ratio", "stage", "replica")
+    lookups = _by(now, "pdflow_kv_store_lookups_total", "stage", "replica")
+    hits = _by(now, "pdflow_kv_store_hits_total", "stage", "replica")
+    ratio = {key: hits.get(key, 0.0) / count if count else 0.0 for key, count in lookups.items()}
     tiers = _by(now, "pdflow_kv_store_bytes", "stage", "replica", "tier", "kind")
     sent_now = _by(now, "pdflow_kv_sent_bytes_total", "stage", "replica", "peer")
     sent_before = _by(before, "pdflow_kv_sent_bytes_total", "stage", "replica", "peer") if before else {}
@@ -187,7 +190,7 @@ def render(before: Scrape | None, now: Scrape, url: str) -> Group:
 
 
 def main(args) -> int:
-    api_key = args.api_key or os.environ.get("PDFLOW_API_KEY") or None
+    api_key = client_key.api_key(args)
     console = Console()
     if args.once:
         try:

@@ -5,12 +5,14 @@ drafts were verified and kept (/health counts them), and stop rules still cut wh
 
 from __future__ import annotations
 
-
+import httpx
 import openai
 import pytest
 
 from pdflow.testing.reference import chat_ids, greedy_answer
 from pdflow.testing.server import PdflowServer
+from pdflow.top import Scrape
+from tests.grafana import ONLY_WITH_SPECULATION, dashboard_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -44,6 +46,13 @@ def test_greedy_answers_are_those_without_speculation(server, served_model):
     stats = server.quiet_stats()["decode-0" if server.mode == "disaggregated" else "worker-0"]  # (heartbeats)
     assert stats["speculative_accepted"] > 0 and stats["speculative_proposed"] >= stats["speculative_accepted"]
     assert stats["speculative_speculative_steps"] <= stats["speculative_steps"]
+    # the same counts in vLLM's names, as the shipped dashboard reads them
+    scrape = Scrape.parse(httpx.get(f"{server.url}/metrics", timeout=10).text, 0.0)
+    engine = {"model_name": "smollm2", "engine": "decode-0"}
+    assert scrape.value("vllm:spec_decode_num_accepted_tokens_total", **engine) == stats["speculative_accepted"]
+    assert scrape.value("vllm:spec_decode_num_draft_tokens_total", **engine) == stats["speculative_proposed"]
+    assert scrape.value("vllm:spec_decode_num_drafts_total", **engine) == stats["speculative_drafts"]
+    assert ONLY_WITH_SPECULATION <= dashboard_metrics()
 
 
 def test_a_stop_string_inside_a_kept_draft_still_ends_the_answer(server):

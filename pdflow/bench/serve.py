@@ -10,12 +10,12 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import shlex
 import statistics
 import sys
 from pathlib import Path
 
+from pdflow import client_key
 from pdflow.bench import serve_report as report
 from pdflow.bench import traces
 from pdflow.bench.prompts import PromptBuilder, Tokenizer
@@ -59,8 +59,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="/v1/completions (token-id prompts, exact counts) or /v1/chat/completions (text)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="bearer token (default: $OPENAI_API_KEY, else none)")
+    client_key.add_argument(g, "OPENAI_API_KEY")
     g.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send the ignore_eos extension (outputs may then end early)")
     g.add_argument("--text-prompts", action="store_true",
@@ -132,7 +131,7 @@ def reproduce(args: argparse.Namespace) -> str:
     defaults = vars(parse_args([]))
     words = ["pdflow", "bench", "serve"]
     for key, value in vars(args).items():
-        if key not in defaults or value == defaults[key] or key in ("api_key", "bench_main"):
+        if key not in defaults or value == defaults[key] or key in ("api_key", "api_key_env", "bench_main"):
             continue
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -149,7 +148,7 @@ def reproduce(args: argparse.Namespace) -> str:
 def _first_model(args) -> tuple[str, int | None]:
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = client_key.headers(args.api_key)
     try:
         body = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).raise_for_status().json()
         card = body["data"][0]
@@ -218,6 +217,7 @@ def _server_block_tokens(args) -> int | None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``pdflow bench serve`` with parsed ``args``; 0 when any request completed."""
+    args.api_key = client_key.api_key(args)
     try:
         import httpx
 

@@ -81,13 +81,14 @@ class ServerConfig:
     """The HTTP API. ``max_body_bytes``: a larger request body is refused (413) before it is
     read; ``header_timeout_s``: a connection that has not sent a request's headers by then is
     closed; ``max_messages``: a chat request with more messages is refused (400) before it is
-    templated."""
+    templated; ``metrics_open``: ``GET /metrics`` is served without the API key (the rest keeps it)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 4 * 2**20
     header_timeout_s: float = 10.0
     max_messages: int = 4096
+    metrics_open: bool = False
 
 
 @dataclass(frozen=True, slots=True)

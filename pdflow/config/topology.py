@@ -181,6 +181,7 @@ def _server(r: TableReader, t: dict[str, Any]) -> ServerConfig:
         max_body_bytes=_size(r, t, "server", "max_body_bytes", d.max_body_bytes),
         header_timeout_s=r.number(t, "server", "header_timeout_s", d.header_timeout_s, gt=0),
         max_messages=r.integer(t, "server", "max_messages", d.max_messages, ge=1),
+        metrics_open=r.boolean(t, "server", "metrics_open", d.metrics_open),
     )
 
 

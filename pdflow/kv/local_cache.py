@@ -37,7 +37,7 @@ class LocalPrefixCache:
         compute), and their KV (per layer keys and values, token-major copies), or ``(0, None)``."""
         ids, owner = self.hasher.ids(prompt_ids), LeaseOwner(request_id)
         with self._lock:
-            lease = self.store.lease(owner, ids, write=False,
+            lease = self.store.lease(owner, ids, write=False, prompt_tokens=len(prompt_ids),
                                      max_hit=reusable_blocks(len(ids), len(prompt_ids), self.block_tokens))
             try:
                 if not lease.hit:

@@ -118,6 +118,7 @@ class StoreStats:
     lookups: int
     hits: int  # lookups that found at least one block
     misses: int
+    queried_tokens: int  # of the prompts lookups were for
     hit_blocks: int
     hit_tokens: int
     commits: int
@@ -183,7 +184,7 @@ class KvStore:
         self._leased = 0  # indexed blocks with leases > 0
         self._tick = 0
         self._version = first_version - 1
-        self._counts = dict.fromkeys(("lookups", "hits", "misses", "hit_blocks", "commits", "evictions",
+        self._counts = dict.fromkeys(("lookups", "hits", "misses", "queried_tokens", "hit_blocks", "commits", "evictions",
                                       "checksum_failures", "expired", "forgotten"), 0)
 
     # --- finding -------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ class KvStore:
     def lookup(self, ids: Sequence[BlockId]) -> int:
         """How many leading blocks of ``ids`` are cached (and mark them used)."""
         hit = self._prefix(ids)
-        self._count_lookup(hit)
+        self._count_lookup(hit, len(ids) * self.block_tokens)
         return hit
 
     def block_ids(self) -> list[BlockId]:
@@ -231,8 +232,9 @@ class KvStore:
             return None
         return block.slot, None if block.parent is None else block.parent.id, block.version, block.expires
 
-    def _count_lookup(self, hit: int) -> None:
+    def _count_lookup(self, hit: int, queried_tokens: int) -> None:
         self._counts["lookups"] += 1
+        self._counts["queried_tokens"] += queried_tokens
         self._counts["hits" if hit else "misses"] += 1
         self._counts["hit_blocks"] += hit
 
@@ -240,7 +242,7 @@ class KvStore:
 
     def lease(self, owner: Hashable, ids: Sequence[BlockId], extra_slots: int = 0, *, verify: bool = True,
               ttl_s: float | None = None, count: bool = True, write: bool = True,
-              max_hit: int | None = None, keep_s: float | None = None) -> Lease:
+              max_hit: int | None = None, keep_s: float | None = None, prompt_tokens: int | None = None) -> Lease:
         """Hold the longest cached prefix of ``ids`` and take a slot for each block after it, plus
         ``extra_slots`` (e.g. a partial last block), evicting as needed.
 
@@ -251,7 +253,8 @@ class KvStore:
         only, no slots taken (``slots`` is the hit's). ``max_hit``: at most this many blocks hit (the
         rest get slots to be written, e.g. a last block whose token must be computed anyway).
         ``keep_s``: how long the blocks this lease commits are kept (0: not at all; None: the
-        store's ``block_ttl_s``).
+        store's ``block_ttl_s``). ``prompt_tokens``: the prompt the lookup is for, for the tokens
+        queried (default: the whole blocks of ``ids``).
         """
         if owner in self._leases:
             raise ValueError(f"{owner!r} already holds a lease")
@@ -263,7 +266,7 @@ class KvStore:
                     hit = i
                     break
         if count:
-            self._count_lookup(hit)
+            self._count_lookup(hit, len(ids) * self.block_tokens if prompt_tokens is None else prompt_tokens)
         hit_blocks = [self._index[block_id] for block_id in ids[:hit]]
         for block in hit_blocks:
             self._lease_one(block)
@@ -523,7 +526,8 @@ class KvStore:
             blocks_total=total, blocks_used=used, blocks_cached=len(self._index),
             bytes_total=total * self.layout.block_bytes, bytes_used=used * self.layout.block_bytes,
             block_tokens=self.block_tokens, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
-            hit_blocks=c["hit_blocks"], hit_tokens=c["hit_blocks"] * self.block_tokens, commits=c["commits"],
+            queried_tokens=c["queried_tokens"], hit_blocks=c["hit_blocks"],
+            hit_tokens=c["hit_blocks"] * self.block_tokens, commits=c["commits"],
             evictions=c["evictions"], checksum_failures=c["checksum_failures"], leases=len(self._leases),
             leased_blocks=self._leased, blocks_quarantined=len(self._quarantined), expired=c["expired"],
             forgotten=c["forgotten"], version=self._version,

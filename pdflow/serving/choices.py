@@ -194,7 +194,7 @@ async def _collect(ingress, http: Request, request_id: str, choices: list[Choice
     finally:
         watch.cancel()
     for choice in choices:
-        ingress.finish(choice.pending, choice.last.timeline)
+        ingress.finish(choice.pending, choice.last.timeline, choice.last.finish_reason)
     wanted = choices[0].pending.submission.sampling.logprobs is not None
     bodies = []
     for c in choices:
@@ -248,7 +248,7 @@ async def _stream(ingress, request_id: str, choices: list[Choice], prompts: list
                     yield sse(completion_chunk(request_id, model, created, fingerprint, choice.index, text, None, lp))
             if item.finish_reason is not None:
                 finished += 1
-                ingress.finish(choice.pending, item.timeline)
+                ingress.finish(choice.pending, item.timeline, item.finish_reason)
                 yield sse(chat_chunk(request_id, model, created, fingerprint, choice.index, None, item.finish_reason)
                           if chat else completion_chunk(request_id, model, created, fingerprint, choice.index, "",
                                                         item.finish_reason))

@@ -4,7 +4,7 @@
 Every refusal is a 4xx in OpenAI's error format naming the field at fault: a missing or wrong API
 key (401), a body over ``server.max_body_bytes`` (413, refused before it is read), a bad field
 (400), too many requests in flight (429). ``GET /metrics`` serves Prometheus metrics
-(:mod:`pdflow.serving.metrics`), behind the API key like the rest. Prompts are templated and
+(:mod:`pdflow.serving.metrics`), behind the API key like the rest unless ``server.metrics_open``. Prompts are templated and
 tokenized off the event loop (:mod:`pdflow.serving.prompts`).
 """
 
@@ -59,6 +59,7 @@ def build_app(ingress) -> FastAPI:
     app = FastAPI(title="pdflow", version=__version__, description="Disaggregated LLM inference")
     api_key = getattr(ingress, "api_key", None)
     limit = ingress.pipeline.server.max_body_bytes
+    open_paths = (*_OPEN_PATHS, "/metrics") if ingress.pipeline.server.metrics_open else _OPEN_PATHS
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -70,7 +71,7 @@ def build_app(ingress) -> FastAPI:
 
         @app.middleware("http")
         async def require_api_key(request: Request, call_next):
-            if request.url.path not in _OPEN_PATHS:
+            if request.url.path not in open_paths:
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
                     error = ApiError("authorization: a valid API key is required (Authorization: Bearer <key>)",

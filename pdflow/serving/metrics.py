@@ -1,18 +1,21 @@
 """Prometheus metrics, served by ingress at ``GET /metrics`` (text exposition format).
 
-Two kinds, both in one registry per ingress:
+One registry per ingress, in two vocabularies side by side:
 
-- **Requests**, counted by ingress as they pass through it: requests by outcome, HTTP refusals
-  by status, prompt / cached / generated tokens, and the latency histograms a serving SLO is
-  written in: time to first token, time between tokens (each gap between two text deltas,
-  divided among the tokens it brought) and end to end.
-- **Stages**, read when scraped from what the launcher last reported of every replica (its
-  state, requests in flight, restarts, and the counters the stage sends with each heartbeat):
-  replica counts by state, queue depths, decode batch sizes, KV bytes each stage sent over the
-  data plane per peer stage, store lookups, hits, bytes per tier. Counters of a replica start
-  again from 0 when it restarts (Prometheus's ``rate()`` takes that as a reset).
+- **vLLM's** (``vllm:*``, each with a ``model_name`` label), the names and types vLLM's v1
+  loggers export, so that dashboards, alert rules and autoscalers written for vLLM read pdflow
+  as they are: requests running and waiting, KV cache usage, prefix cache queries and hits,
+  requests by finish reason, TTFT, inter-token latency, end to end, prompt and generation
+  tokens per request, the queue / prefill / decode phases, speculative decoding's counts.
+- **pdflow's own** (``pdflow_*``): the same request figures as before, the disaggregation's
+  histograms (KV transfer and KV tail per request), and the stages as the launcher last reported
+  them (:mod:`pdflow.serving.stage_metrics`): replicas by state, queue depths, decode batches
+  and pool, KV bytes per link and transport, a store's lookups, hits and bytes per tier.
 
-The metric names are listed in ``docs/design.md`` ("Metrics"); ``pdflow top`` reads this endpoint.
+Request figures are counted by ingress as they pass through it; a finished request's phases come
+from its timeline (:func:`pdflow.timeline.request_phases`). The names are listed in
+``docs/design.md`` ("Metrics"); ``pdflow top`` reads this endpoint; ``deploy/grafana`` holds a
+dashboard that reads it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdflow.serving.stage_metrics import StageCollector
+from pdflow.timeline import request_phases
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -31,14 +36,66 @@ disable_created_metrics()  # no *_created series: a restart shows as a counter r
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 _TBT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
-
-# heartbeat counters of a stage that become metrics of their own (the rest: pdflow_stage_counter)
-_STORE_COUNTERS = {"lookups": "lookups", "hits": "hits", "hit_tokens": "hit tokens", "evictions": "evictions",
-                   "commits": "commits"}
-_STORE_GAUGES = {"bytes_used": ("memory", "used"), "bytes_total": ("memory", "capacity"),
-                 "disk_bytes_used": ("disk", "used"), "disk_bytes_capacity": ("disk", "capacity")}
+# vLLM's buckets for its names, so that a dashboard's heatmaps line up with vLLM's own
+_VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+              40.0, 80.0, 160.0, 640.0, 2560.0)
+_VLLM_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0)
+_VLLM_REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+# the KV path's own: a layer over shared memory (sub-ms) to a long prompt over a slow link (s)
+_KV_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 _RECENT = 20_000  # samples kept for window_p90
-_SENT_PREFIX = "kv_sent_bytes@"  # kv_sent_bytes@<peer stage>: see Stage.sent_stats
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def token_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets for token counts)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class _VllmRequests:
+    """The request-level ``vllm:*`` metrics, each with the served model's ``model_name``."""
+
+    def __init__(self, registry: CollectorRegistry, model: str, max_context: int) -> None:
+        def labelled(kind, name: str, doc: str, **kwargs):
+            return kind(f"vllm:{name}", doc, ["model_name"], registry=registry, **kwargs).labels(model)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return labelled(Histogram, name, doc, buckets=buckets)
+
+        tokens = token_buckets(max(max_context, 1))
+        self.prompt_tokens = labelled(Counter, "prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = labelled(Counter, "generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          ["model_name", "finished_reason"], registry=registry)
+        self.success = {reason: success.labels(model, reason) for reason in FINISH_REASONS}
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _VLLM_TTFT)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _VLLM_ITL)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (each gap between two tokens).", _VLLM_ITL)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             _VLLM_REQUEST)
+        self.request_prompt = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.request_generation = histogram("request_generation_tokens", "Number of generation tokens processed.",
+                                            tokens)
+        self.phases = {
+            "queue": histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                               _VLLM_REQUEST),
+            "prefill": histogram("request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", _VLLM_REQUEST),
+            "decode": histogram("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                                _VLLM_REQUEST),
+        }
+        self.inference = histogram("request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", _VLLM_REQUEST)
 
 
 class ServingMetrics:
@@ -65,7 +122,17 @@ class ServingMetrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.in_flight = Gauge("pdflow_requests_in_flight", "Requests ingress holds now.", registry=r)
         self.in_flight.set_function(lambda: len(ingress.requests))
-        r.register(_StageCollector(ingress))
+        model = getattr(ingress, "served_name", None) or ingress.pipeline.model.served_name
+        self.kv_transfer = Histogram(
+            "pdflow_kv_transfer_seconds", "Per request, from its first KV write to decode holding every layer "
+            "(requests whose prefill and decode share a machine's clock).", ["model_name"], buckets=_KV_BUCKETS,
+            registry=r).labels(model)
+        self.kv_tail = Histogram(
+            "pdflow_kv_tail_seconds", "Per request, from prefill's last layer computed to decode holding every "
+            "layer: the transfer that did not hide behind prefill (same clock as pdflow_kv_transfer_seconds).",
+            ["model_name"], buckets=_KV_BUCKETS, registry=r).labels(model)
+        self.vllm = _VllmRequests(r, model, getattr(ingress, "max_context", 0) or 2048)
+        r.register(StageCollector(ingress, model))
         # the latest TTFTs and token gaps with when they were seen, for the scaler's p90s (window_p90)
         self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=_RECENT)
         self.recent_tbt: deque[tuple[float, float]] = deque(maxlen=_RECENT)
@@ -81,26 +148,51 @@ class ServingMetrics:
         if pending.first_token_at is None:
             pending.first_token_at = now
             self.ttft.observe(now - pending.received)
+            self.vllm.ttft.observe(now - pending.received)
             self.recent_ttft.append((now, now - pending.received))
             new -= 1  # the first token's wait is TTFT, not a gap
         elif new > 0:
             gap = (now - pending.last_token_at) / new
             for _ in range(new):
                 self.tbt.observe(gap)
+                self.vllm.itl.observe(gap)
+                self.vllm.tpot.observe(gap)
             self.recent_tbt.append((now, gap))
         pending.last_token_at = now
         self.generation_tokens.inc(completion_tokens - pending.counted_tokens)
+        self.vllm.generation_tokens.inc(completion_tokens - pending.counted_tokens)
         pending.counted_tokens = completion_tokens
 
-    def finished(self, pending) -> None:
+    def finished(self, pending, timeline: dict | None = None, finish_reason: str | None = None,
+                 one_clock: bool = True) -> None:
+        """``pending`` finished (``finish_reason``: the OpenAI one, ``stop`` or ``length``), with
+        its ``timeline``; ``one_clock``: whether the stages it went through share a clock."""
         self.requests.labels("finished").inc()
         self.prompt_tokens.inc(pending.prompt_len)
         self.cached_tokens.inc(pending.cached_tokens)
-        self.e2e.observe((pending.last_token_at or time.monotonic()) - pending.received)
+        e2e = (pending.last_token_at or time.monotonic()) - pending.received
+        self.e2e.observe(e2e)
+        v = self.vllm
+        v.prompt_tokens.inc(pending.prompt_len)
+        v.success["length" if finish_reason == "length" else "stop"].inc()
+        v.e2e.observe(e2e)
+        v.request_prompt.observe(pending.prompt_len)
+        v.request_generation.observe(pending.counted_tokens)
+        phases = request_phases(timeline, one_clock) if timeline else {}
+        for name, histogram in v.phases.items():
+            if name in phases:
+                histogram.observe(phases[name])
+        if "prefill" in phases and "decode" in phases:
+            v.inference.observe(phases["prefill"] + phases["decode"])
+        if "kv_transfer" in phases:
+            self.kv_transfer.observe(phases["kv_transfer"])
+        if "kv_tail" in phases:
+            self.kv_tail.observe(phases["kv_tail"])
 
     def ended(self, reason: str) -> None:
         """A request that did not finish: cancelled by its client, or failed (``reason``: why)."""
         self.requests.labels("cancelled" if "disconnect" in reason else "failed").inc()
+        self.vllm.success["abort"].inc()
 
     def refusal(self, status: int) -> None:
         self.refused.labels(str(status)).inc()
@@ -118,74 +210,3 @@ class ServingMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _StageCollector:
-    """The replicas' state and heartbeat counters, as the launcher last reported them."""
-
-    def __init__(self, ingress) -> None:
-        self.ingress = ingress
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        pipeline, reports = self.ingress.pipeline, self.ingress.stage_status
-        configured = GaugeMetricFamily("pdflow_replicas_configured", "Replicas of each stage in the topology.",
-                                       labels=["stage"])
-        states = GaugeMetricFamily("pdflow_replicas", "Replicas of each stage by state (ready, starting, restarting, "
-                                   "unreported).", labels=["stage", "state"])
-        in_flight = GaugeMetricFamily("pdflow_stage_in_flight", "Requests a replica holds (its queue and batch).",
-                                      labels=["stage", "replica"])
-        restarts = CounterMetricFamily("pdflow_stage_restarts", "Times the launcher restarted a replica.",
-                                       labels=["stage", "replica"])
-        batch = GaugeMetricFamily("pdflow_decode_batch_size", "Sequences in a replica's decode batch now.",
-                                  labels=["stage", "replica"])
-        steps = CounterMetricFamily("pdflow_decode_steps", "Decode steps a replica ran.", labels=["stage", "replica"])
-        rows = CounterMetricFamily("pdflow_decode_step_rows", "Sequences stepped, summed over decode steps "
-                                   "(÷ steps: the mean batch size).", labels=["stage", "replica"])
-        sent = CounterMetricFamily("pdflow_kv_sent_bytes", "KV bytes a replica wrote over the data plane, by the "
-                                   "stage it wrote to.", labels=["stage", "replica", "peer"])
-        store = {key: CounterMetricFamily(f"pdflow_kv_store_{key}", f"KV store {words}.", labels=["stage", "replica"])
-                 for key, words in _STORE_COUNTERS.items()}
-        hit_ratio = GaugeMetricFamily("pdflow_kv_store_hit_ratio", "Store lookups that found at least one block, "
-                                      "of all lookups so far.", labels=["stage", "replica"])
-        tier_bytes = GaugeMetricFamily("pdflow_kv_store_bytes", "KV store bytes per tier, used and capacity.",
-                                       labels=["stage", "replica", "tier", "kind"])
-        other = GaugeMetricFamily("pdflow_stage_counter", "Any other counter a replica reports with its heartbeats.",
-                                  labels=["stage", "replica", "name"])
-        for name, stage in pipeline.stages.items():
-            display = stage.display_name
-            configured.add_metric([display], stage.replicas)
-            counts = dict.fromkeys(("ready", "starting", "restarting", "unreported"), 0)
-            for replica in range(stage.replicas):
-                report = reports.get(f"{display}-{replica}")
-                if report is None:
-                    counts["unreported"] += 1
-                    continue
-                counts[report["state"]] = counts.get(report["state"], 0) + 1
-                labels = [display, str(replica)]
-                in_flight.add_metric(labels, report["in_flight"])
-                restarts.add_metric(labels, report["restarts"])
-                for key, value in report.get("stats", {}).items():
-                    if key == "batch_size":
-                        batch.add_metric(labels, value)
-                    elif key == "decode_steps":
-                        steps.add_metric(labels, value)
-                    elif key == "decode_step_rows":
-                        rows.add_metric(labels, value)
-                    elif key.startswith(_SENT_PREFIX):
-                        sent.add_metric([*labels, key[len(_SENT_PREFIX):]], value)
-                    elif key in _STORE_COUNTERS:
-                        store[key].add_metric(labels, value)
-                    elif key in _STORE_GAUGES:
-                        tier_bytes.add_metric([*labels, *_STORE_GAUGES[key]], value)
-                    else:
-                        other.add_metric([*labels, key], value)
-                stats = report.get("stats", {})
-                if "lookups" in stats:
-                    hit_ratio.add_metric(labels, stats["hits"] / stats["lookups"] if stats["lookups"] else 0.0)
-            for state, count in counts.items():
-                states.add_metric([display, state], count)
-        yield from (configured, states, in_flight, restarts, batch, steps, rows, sent, *store.values(), hit_ratio,
-                    tier_bytes, other)

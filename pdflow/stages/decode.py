@@ -200,15 +200,16 @@ class DecodeStage(SendsStepTokens, CountsDecodeSteps, Stage):
 
     def stats(self) -> dict[str, int]:
         sent = {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.from_shuttle, self.to_shuttle),
-                **self.sent_stats(destination=self.to_shuttle), **self.batch_stats()}
+                **self.sent_stats(destination=self.to_shuttle), **self.batch_stats(),
+                "requests_running": len(self.batch)}
         if self.link_codec.drops_tokens:
             sent["kv_prompt_tokens_dropped"] = self.dropped_tokens
         if self.batch.speculation is not None:
             sent.update(self.batch.speculation.stats())
         if self.pool is None:
-            return {**sent, "attends_in_store": int(self.in_place)}
+            return {**sent, "attends_in_store": int(self.in_place), "requests_waiting": 0}
         return {**sent, "pool_blocks": self.pool.arena.num_slots, "pool_free_blocks": self.pool.free_slots,
-                "awaiting_pool_blocks": len(self.awaiting_slots)}
+                "awaiting_pool_blocks": len(self.awaiting_slots), "requests_waiting": len(self.awaiting_slots)}
 
     # --- KV arrival -------------------------------------------------------------------------
 

@@ -285,13 +285,17 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
             self.holdings.settle(pending.internal_id)
         return True
 
-    def finish(self, pending: PendingRequest, timeline: dict | None = None) -> None:
+    def finish(self, pending: PendingRequest, timeline: dict | None = None, finish_reason: str | None = None) -> None:
         if self._forget(pending):
-            self.metrics.finished(pending)
+            self.metrics.finished(pending, timeline, finish_reason, self._one_clock(pending.route))
         if timeline:
             self.timelines[pending.request_id] = timeline
             while len(self.timelines) > _TIMELINES_KEPT:
                 self.timelines.popitem(last=False)
+
+    def _one_clock(self, route) -> bool:
+        """Whether every replica on ``route`` runs on one machine (their timeline marks compare)."""
+        return len({self.pipeline.host_name_of(name, route.of(name)) for name in self.routed}) <= 1
 
     def cancel_request(self, pending: PendingRequest, reason: str) -> None:
         """Forget the request here and tell every stage on its route to free what it holds."""

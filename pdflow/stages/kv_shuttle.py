@@ -323,7 +323,7 @@ class KvShuttleStage(PeerFetch, Stage):
             if rid not in self.requests:
                 return  # cancelled meanwhile
             lease = self.store.lease(LeaseOwner(rid), ids, total - len(ids), verify=True, count=self.reuse,
-                                     max_hit=usable, keep_s=message.keep_s)
+                                     max_hit=usable, keep_s=message.keep_s, prompt_tokens=n)
         except StoreFull as exc:
             await self.fail(rid, f"the KV store cannot hold this request's {n} tokens: {exc}", message.route)
             return

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,6 +76,7 @@ class _Job:
     cancelled: bool = False
     send_start: float | None = None  # when its first KV write began
     prefix: _Prefix | None = None
+    queued: float = field(default_factory=time.monotonic)  # when it came
     dequeued: float = 0.0  # when prefill got to it
     plan_in: float = 0.0  # when its plan was there (after dequeued: prefill waited for the store)
 
@@ -135,8 +136,10 @@ class PrefillStage(Stage):
     def stats(self) -> dict[str, int]:
         staged = {"staged_bytes": self.stager.copied_bytes, "staging_waits": self.stager.pool.waits} \
             if self.on_device else {}
+        waiting = self.queue.qsize()  # (one job at a time: the rest it holds is the one it runs)
         return {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.to_shuttle, self.from_shuttle),
-                **self.sent_stats(kv=self.to_shuttle), **staged}
+                **self.sent_stats(kv=self.to_shuttle), **staged, "requests_waiting": waiting,
+                "requests_running": max(len(self.requests) - waiting, 0)}
 
     def on_request(self, message: PrefillRequest) -> None:
         job = _Job(message, asyncio.get_running_loop().create_future())
@@ -354,7 +357,7 @@ class PrefillStage(Stage):
         n = len(request.prompt_ids)
         reason = finish_reason(token, 1, n + 1, request.sampling, self.model.eos_token_ids, self.model.max_context)
         compute = {"prefill.start": [result.started], "prefill.layer_done": result.layer_done,
-                   "prefill.end": [result.finished], "prefill.dequeued": [job.dequeued],
+                   "prefill.end": [result.finished], "prefill.queued": [job.queued], "prefill.dequeued": [job.dequeued],
                    "prefill.plan_in": [job.plan_in]}
         if job.prefix is not None:
             compute["prefill.prefix_in"] = list(job.prefix.landed)

@@ -97,7 +97,9 @@ class WorkerStage(SendsStepTokens, CountsDecodeSteps, Stage):
 
     def stats(self) -> dict[str, int]:
         speculation = self.batch.speculation.stats() if self.batch.speculation is not None else {}
-        return {**(self.cache.stats() if self.cache is not None else {}), **speculation, **self.batch_stats()}
+        queue = {"requests_waiting": len(self.waiting),
+                 "requests_running": len(self.batch) + int(self.prefilling is not None)}
+        return {**(self.cache.stats() if self.cache is not None else {}), **speculation, **self.batch_stats(), **queue}
 
     def on_request(self, message: PrefillRequest) -> None:
         self.requests.open(message.request_id, message)
