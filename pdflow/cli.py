@@ -387,7 +387,12 @@ def _run(args) -> int:
         keys = pipeline_keys(topology, args.api_key or os.environ.get("PDFLOW_API_KEY") or None)
         model_dir = resolve(str(topology.model.path or topology.model.source), progress=sys.stderr.isatty())
     except (ModelError, SecretError) as exc:
-        sys.stderr.write(f"error: {exc}\n")
+        if args.log_format == "json":  # logging is configured by now: one JSON line, as every other
+            import structlog
+
+            structlog.get_logger().error("launcher.failed", error=str(exc))
+        else:
+            sys.stderr.write(f"error: {exc}\n")
         return 1
     if args.backend == "ray":
         from pdflow.runtime.ray_backend import connect

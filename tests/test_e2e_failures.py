@@ -198,6 +198,26 @@ def test_sigterm_stops_the_whole_tree_within_10_s(client, server):
     assert not worker.is_alive() and outcome, "the in-flight request hung"
 
 
+def test_every_line_of_that_whole_run_s_json_log_is_json(server):
+    """The run above logged JSON (--log-format json) through stages killed, frozen, restarted and a
+    SIGTERM: every line it wrote, the standard library's loggers (uvicorn, the kernels' loader, the
+    packed cache, ZeroMQ's authenticator) and the launcher's status included, is one JSON object."""
+    assert server.proc.poll() is not None  # (stopped by the test above: the log is whole)
+    lines = [line for line in server.log_path.read_text().splitlines() if line.strip()]
+    assert len(lines) > 50
+    bad = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+            assert isinstance(event, dict) and "event" in event and "level" in event
+        except (ValueError, AssertionError):
+            bad.append(line[:200])
+    assert not bad, f"{len(bad)} of {len(lines)} lines are not JSON log events, e.g.:\n" + "\n".join(bad[:5])
+    events = [json.loads(line) for line in lines]
+    assert any(e["event"] == "pipeline.status" and e.get("headline") == "ready" for e in events)
+    assert {e.get("stage") for e in events} >= {"launcher", "ingress", "prefill", "kv-shuttle", "decode"}
+
+
 def test_kill_9_of_the_launcher_takes_every_stage_and_the_fork_server_with_it(tmp_path):
     """Stages are forked by a fork server that outlives the launcher while any of them lives:
     each stage watches the launcher itself, so none is orphaned, and the fork server goes too."""

@@ -184,8 +184,8 @@ class KvStore:
         self._leased = 0  # indexed blocks with leases > 0
         self._tick = 0
         self._version = first_version - 1
-        self._counts = dict.fromkeys(("lookups", "hits", "misses", "queried_tokens", "hit_blocks", "commits", "evictions",
-                                      "checksum_failures", "expired", "forgotten"), 0)
+        self._counts = dict.fromkeys(("lookups", "hits", "misses", "queried_tokens", "hit_blocks", "commits",
+                                      "evictions", "checksum_failures", "expired", "forgotten"), 0)
 
     # --- finding -------------------------------------------------------------------------------
 

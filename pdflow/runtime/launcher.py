@@ -264,7 +264,10 @@ class Launcher(ScalingLauncher):
                 return await self._run_host()
             status = await self._supervise() if await self._wait_ready() else 1
             if self.fatal:
-                sys.stderr.write(f"pdflow: {self.fatal}\n")
+                if self.log_format == "json":
+                    log.error("launcher.fatal", error=self.fatal)
+                else:
+                    sys.stderr.write(f"pdflow: {self.fatal}\n")
                 return 1
             return status
         finally:
@@ -555,6 +558,12 @@ class Launcher(ScalingLauncher):
         server = self.topology.server
         where = self.topology.stages["ingress"].address_of(0) if server.host in ("0.0.0.0", "::") else server.host
         hosts = bool(self.topology.hosts)
+        if self.log_format == "json":  # one event, as every other line of a JSON log
+            log.info("pipeline.status", headline=headline, api=f"http://{where}:{server.port}/v1", replicas=[
+                {"replica": self._name(rep), "host": rep.host, "pid": (rep.process.pid if rep.process else rep.pid),
+                 "cores": list(self.topology.stages[rep.stage].cores), "device": self.topology.stages[rep.stage].device,
+                 "state": self._state(rep), "restarts": rep.restarts} for rep in self.replicas.values()])
+            return
         lines = [f"pdflow: {headline} — API at http://{where}:{server.port}/v1",
                  f"  {'stage':<14}" + (f"{'host':<12}" if hosts else "")
                  + f"{'pid':>8}  {'cores':<10}{'device':<8}{'state':<10}{'restarts':>8}"]

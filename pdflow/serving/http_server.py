@@ -64,6 +64,7 @@ class HttpServer(uvicorn.Server):
 
 def http_server(app, host: str, port: int, header_timeout_s: float) -> HttpServer:
     protocol = type("HeaderDeadlineProtocol", (_HeaderDeadline,), {"header_timeout_s": header_timeout_s})
+    # log_config=None: uvicorn's records go to the root logger, rendered as every other line (pdflow.log)
     config = uvicorn.Config(app, host=host, port=port, loop="none", lifespan="off", log_level="warning",
-                            timeout_graceful_shutdown=1, http=protocol, ws="none")
+                            log_config=None, timeout_graceful_shutdown=1, http=protocol, ws="none")
     return HttpServer(config)
