@@ -36,8 +36,10 @@ def _serving(ingress):
     """The app of ``ingress`` served over HTTP on a free port of this machine (uvicorn, in a thread)."""
     import uvicorn
 
+    # log_config=None, as pdflow's own server: uvicorn's default config would leave handlers bound to
+    # this test's captured stderr on its loggers, for later tests to write into once it is closed
     server = uvicorn.Server(uvicorn.Config(build_app(ingress), host="127.0.0.1", port=free_port_base(1),
-                                           log_level="error"))
+                                           log_level="error", log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
