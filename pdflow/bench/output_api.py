@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdflow import client_key
+
 DESCRIPTION = __doc__
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "story"],
           "properties": {"title": {"type": "string", "maxLength": 40}, "story": {"type": "string", "minLength": 600}}}
@@ -51,10 +53,11 @@ async def _one(client, kind: str, i: int, max_tokens: int) -> tuple[float, int]:
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan"), len(stamps)
 
 
-async def _measure(url: str, rounds: int, concurrency: int, max_tokens: int) -> dict[str, list[float]]:
+async def _measure(url: str, rounds: int, concurrency: int, max_tokens: int,
+                   api_key: str | None = None) -> dict[str, list[float]]:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
     tpots: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for kind in KINDS:  # warm-up: the grammar engine's first load, the first requests' allocations
         await _one(client, kind, -1, 8)
@@ -71,13 +74,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="requests at a time (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=96, help="per request (default: %(default)s)")
     p.add_argument("--url", default=None, help="a running server instead of starting the default topology")
+    client_key.add_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
     from pdflow.testing.server import PdflowServer
 
     if args.url:
-        tpots = asyncio.run(_measure(args.url, args.rounds, args.concurrency, args.max_tokens))
+        tpots = asyncio.run(_measure(args.url, args.rounds, args.concurrency, args.max_tokens,
+                                     client_key.api_key(args)))
     else:
         with PdflowServer(Path(tempfile.mkdtemp(prefix="pdflow-output-api-"))) as server:
             tpots = asyncio.run(_measure(server.url, args.rounds, args.concurrency, args.max_tokens))
