@@ -5,9 +5,9 @@ Timelines come from ``GET /debug/timeline/{request_id}``: ``time.monotonic()`` s
 in several processes of one host (one clock), under these keys:
 
 - ``prefill.start`` / ``prefill.end``; ``prefill.layer_done[l]``: layer *l*'s KV computed;
-- ``prefill.queued``: the request reached prefill; ``prefill.dequeued``: prefill got to it; ``prefill.plan_in``: its
-  store plan was there (later than ``dequeued`` when prefill waited for the store, e.g. for a
-  prefix read from disk that the queue did not hide);
+- ``prefill.queued``: the request reached prefill; ``prefill.dequeued``: prefill got to it;
+  ``prefill.plan_in``: its store plan was there (later than ``dequeued`` when prefill waited for
+  the store, e.g. for a prefix read from disk that the queue did not hide);
 - ``prefill.prefix_in[l]``: layer *l* of the cached prefix landed in prefill's buffer (a prefix
   from the store, over the data plane; absent where prefill computes in the store's arena);
 - ``prefill.send_start``: the first KV write began (after the whole prefill with

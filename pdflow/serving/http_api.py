@@ -4,8 +4,9 @@
 Every refusal is a 4xx in OpenAI's error format naming the field at fault: a missing or wrong API
 key (401), a body over ``server.max_body_bytes`` (413, refused before it is read), a bad field
 (400), too many requests in flight (429). ``GET /metrics`` serves Prometheus metrics
-(:mod:`pdflow.serving.metrics`), behind the API key like the rest unless ``server.metrics_open``. Prompts are templated and
-tokenized off the event loop (:mod:`pdflow.serving.prompts`).
+(:mod:`pdflow.serving.metrics`), behind the API key like the rest unless
+``server.metrics_open``. Prompts are templated and tokenized off the event loop
+(:mod:`pdflow.serving.prompts`).
 """
 
 from __future__ import annotations
