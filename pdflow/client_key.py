@@ -1,5 +1,6 @@
-"""The API key of pdflow's client commands (``pdflow top``, ``trace``, ``bench serve``): one flag,
-``--api-key``, with ``$PDFLOW_API_KEY`` as its default, sent as ``Authorization: Bearer``."""
+"""The API key of pdflow's client commands (``pdflow top``, ``trace``, ``bench serve``,
+``bench output-api``): one flag, ``--api-key``, with ``$PDFLOW_API_KEY`` as its default, sent as
+``Authorization: Bearer``."""
 
 from __future__ import annotations
 

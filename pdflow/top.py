@@ -55,7 +55,7 @@ class Scrape:
 
 def fetch(url: str, api_key: str | None, timeout: float = 5.0) -> Scrape:
     request = urllib.request.Request(url.rstrip("/") + "/metrics",
-                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+                                     headers=client_key.headers(api_key))
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return Scrape.parse(response.read().decode(), time.monotonic())

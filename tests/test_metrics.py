@@ -145,6 +145,8 @@ def test_a_finished_request_s_timeline_gives_its_phases_and_its_kv_path():
     assert s.value("vllm:inter_token_latency_seconds_count") == 2  # two tokens in one 0.5 s gap
     assert s.value("vllm:inter_token_latency_seconds_sum") == pytest.approx(0.5)
     assert s.value("vllm:request_generation_tokens_sum") == 6 and s.value("vllm:prompt_tokens_total") == 20
+    assert s.value("vllm:request_time_per_output_token_seconds_count") == 2  # once a request, not a token
+    assert s.value("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(2 * 0.5 / 2)
     assert s.value("vllm:generation_tokens_total") == 3
 
 

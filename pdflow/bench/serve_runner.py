@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
+from pdflow import client_key
 from pdflow.bench.prompts import PromptBuilder
 from pdflow.bench.serve_client import RequestRecord, fetch_timeline, payload, send
 from pdflow.bench.workloads import BenchRequest, SessionPlan
@@ -45,7 +46,7 @@ def schedule(requests: list[BenchRequest], rate: float | None, seed: int) -> lis
 
 
 def client_for(target: Target, connections: int) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    headers = client_key.headers(target.api_key)
     limits = httpx.Limits(max_connections=max(connections, 1), max_keepalive_connections=max(connections, 1))
     timeout = httpx.Timeout(target.timeout_s, connect=min(30.0, target.timeout_s))
     return httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout)

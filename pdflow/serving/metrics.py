@@ -79,8 +79,8 @@ class _VllmRequests:
         self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               _VLLM_TTFT)
         self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _VLLM_ITL)
-        self.tpot = histogram("time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds (each gap between two tokens).", _VLLM_ITL)
+        self.request_tpot = histogram("request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.", _VLLM_ITL)
         self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              _VLLM_REQUEST)
         self.request_prompt = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
@@ -156,7 +156,6 @@ class ServingMetrics:
             for _ in range(new):
                 self.tbt.observe(gap)
                 self.vllm.itl.observe(gap)
-                self.vllm.tpot.observe(gap)
             self.recent_tbt.append((now, gap))
         pending.last_token_at = now
         self.generation_tokens.inc(completion_tokens - pending.counted_tokens)
@@ -178,6 +177,8 @@ class ServingMetrics:
         v.e2e.observe(e2e)
         v.request_prompt.observe(pending.prompt_len)
         v.request_generation.observe(pending.counted_tokens)
+        if pending.counted_tokens > 1 and pending.first_token_at is not None:  # first token to last, per token
+            v.request_tpot.observe((pending.last_token_at - pending.first_token_at) / (pending.counted_tokens - 1))
         phases = request_phases(timeline, one_clock) if timeline else {}
         for name, histogram in v.phases.items():
             if name in phases:

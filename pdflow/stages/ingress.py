@@ -295,6 +295,8 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
 
     def _one_clock(self, route) -> bool:
         """Whether every replica on ``route`` runs on one machine (their timeline marks compare)."""
+        if not self.pipeline.multi_host:
+            return True
         return len({self.pipeline.host_name_of(name, route.of(name)) for name in self.routed}) <= 1
 
     def cancel_request(self, pending: PendingRequest, reason: str) -> None:
