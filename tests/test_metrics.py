@@ -220,7 +220,8 @@ def test_a_pipeline_counts_what_it_served_and_top_shows_it(request):
     assert grew("vllm:prefix_cache_queries_total", engine="kv-shuttle-0", **model) > 0
     transports = {dict(k)["transport"] for k in now.series("pdflow_kv_sent_bytes_total")}
     assert transports and transports <= {"tcp", "shm", "ucx", "verbs", "inproc", "peer"}
-    assert 0 <= now.value("vllm:kv_cache_usage_perc", engine="decode-0") < 1
+    usage = {dict(k)["engine"]: v for k, v in now.series("vllm:kv_cache_usage_perc").items()}
+    assert set(usage) == {"decode-0"} and 0 <= usage["decode-0"] < 1  # decode's pool, not the store's
 
     shown = subprocess.run([sys.executable, "-m", "pdflow.cli", "top", "--once", "--interval", "0.2",
                             "--url", server.url], capture_output=True, text=True, timeout=60,
