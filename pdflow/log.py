@@ -90,4 +90,8 @@ def _route_stdlib(renderer, stamp, level: int, fmt: str) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
-    logging.captureWarnings(True)  # warnings.warn(...) as records of "py.warnings"
+    # warnings.warn(...) as records of "py.warnings". Off, then on: logging remembers that it
+    # captures even after someone (a test harness's catch_warnings) restored warnings.showwarning,
+    # and a second captureWarnings(True) would then do nothing.
+    logging.captureWarnings(False)
+    logging.captureWarnings(True)
