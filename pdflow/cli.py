@@ -315,12 +315,29 @@ def _validate(args) -> int:
                      + "\n")
     if (store := topology.kv.store_codec()) is not None:
         sys.stdout.write(f"  kv store: blocks kept encoded, {store.spec}\n")
+    from pdflow.routing import locality
+
+    pairs = _pairings(topology)
     for link in () if topology.colocated else topology.links:
         codec = "" if link.codec == "none" else f", KV encoded {link.make_codec().spec}"
         sys.stdout.write(f"  link {link.src} -> {link.dst}: {link.transport}{codec}\n")
+        if (hosts := locality.link_hosts(topology, link.src, link.dst, pairs)) is not None:
+            sys.stdout.write(f"    {hosts}\n")
         for line in _data_paths(topology, link):
             sys.stdout.write(f"    {line}\n")
     return 0
+
+
+def _pairings(topology) -> list:
+    """The producer -> store pairs ingress keeps on one host (pdflow.routing.locality)."""
+    from pdflow.routing import locality
+    from pdflow.runtime.kinds import stage_class
+    from pdflow.transports import shares_memory
+
+    def having(attribute: str) -> set[str]:
+        return {name for name in topology.stages if getattr(stage_class(topology, name), attribute, False)}
+
+    return locality.pairings(topology, having("holds_kv"), having("computes_kv"), shares_memory)
 
 
 def _architecture(model) -> str:

@@ -2,13 +2,16 @@
 address, joined to the others by veth pairs and a bridge, its link shaped by tc), started by
 `pdflow run topology.toml --node NAME` in that namespace, as an operator would on each machine.
 
-One pipeline: ingress on `head` (which supervises), prefill, kv-shuttle and two decode replicas
-on four more hosts, and a second prefill replica on a sixth that the scaler (deciding on `head`)
-starts there under a burst and parks when quiet. It answers what the engine answers in-process;
-a decode process killed on its host is restarted by that host's launcher; a whole host going away is a dead replica to the
-others (its requests go to the other decode) until it comes back. KV goes into kv-shuttle over tcp
-and into decode over ucx (tcp where ucxx is not installed), so that both meet peers that die or
-vanish. Skipped with the reason where namespaces cannot be made (not root, no iproute2).
+One pipeline in the default multi-host shape: ingress on `head` (which supervises), a prefill and
+a kv-shuttle beside it on each of two prefill hosts, two decode replicas on two more hosts. The
+second prefill replica is the scaler's (deciding on `head`): started on its host under a burst and
+parked when quiet. Host locality (router.locality) keeps each request's prefill and store on one
+host, so its KV crosses the network once, store -> decode (the byte counts say so). It answers what
+the engine answers in-process; a decode process killed on its host is restarted by that host's
+launcher; a whole host going away is a dead replica to the others (its requests go to the other
+decode) until it comes back. KV goes into kv-shuttle over tcp and into decode over ucx (tcp where
+ucxx is not installed), so that both meet peers that die or vanish. Skipped with the reason where
+namespaces cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -26,11 +30,11 @@ from pdflow.testing.netns import Namespaces, unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
 
-HOSTS = ("head", "prefill", "prefill-b", "shuttle", "decode-a", "decode-b")
+HOSTS = ("head", "prefill", "prefill-b", "decode-a", "decode-b")
 QUESTION = "What is the capital of France?"
 
 
-PLACEMENT = {"ingress": ["head"], "prefill": ["prefill", "prefill-b"], "kv_shuttle": ["shuttle"],
+PLACEMENT = {"ingress": ["head"], "prefill": ["prefill", "prefill-b"], "kv_shuttle": ["prefill", "prefill-b"],
              "decode": ["decode-a", "decode-b"]}
 # prefill-1 (on prefill-b) is the scaler's: parked until prefill holds more than 2 requests for half
 # a second; parked again 1.5 s after it holds none
@@ -87,9 +91,27 @@ def test_stages_on_five_hosts_answer_as_the_engine_does_over_their_addresses(clu
     # prefill's control port at prefill's address, and kv-shuttle KV connections to decode's
     sockets = cluster.net.run("head", ["ss", "-tnH"]).stdout
     assert f"{cluster.net.address('prefill')}:5520" in sockets, sockets
-    sockets = cluster.net.run("shuttle", ["ss", "-tnH"]).stdout
+    sockets = cluster.net.run("prefill", ["ss", "-tnH"]).stdout
     for host in ("decode-a", "decode-b"):
         assert any(f"{cluster.net.address(host)}:{port}" in sockets for port in (5640, 5641)), sockets
+
+
+def test_the_kv_crosses_the_network_once_from_the_store_beside_prefill(cluster):
+    ask(cluster)
+    time.sleep(1.2)  # a heartbeat after the answers
+    stats = {name: info.get("stats", {}) for name, info in cluster.health()[1]["stages"].items()}
+    prefill, store = stats["prefill-0"], stats["kv-shuttle-0"]
+    # prefill wrote into the store on its own host: none of it crossed; the store's writes to decode did
+    assert prefill["kv_sent_bytes@kv-shuttle"] > 0 and prefill["kv_network_bytes@kv-shuttle"] == 0
+    assert store["kv_network_bytes@decode"] == store["kv_sent_bytes@decode"] > 0
+    # and /metrics says the same, per link
+    from prometheus_client.parser import text_string_to_metric_families
+
+    network = {(s.labels["stage"], s.labels["replica"], s.labels["peer"]): s.value
+               for family in text_string_to_metric_families(httpx.get(f"{cluster.url}/metrics", timeout=10).text)
+               if family.name == "pdflow_kv_network_bytes" for s in family.samples}
+    assert network[("prefill", "0", "kv-shuttle")] == 0
+    assert network[("kv-shuttle", "0", "decode")] == store["kv_network_bytes@decode"]
 
 
 def test_the_scaler_starts_a_replica_on_its_host_and_parks_it_there(cluster, reference):

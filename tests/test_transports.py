@@ -110,6 +110,16 @@ def test_entry_point_transports(monkeypatch: pytest.MonkeyPatch) -> None:
         transports.registry.refresh()
 
 
+def test_the_host_an_address_names_and_those_that_never_leave_the_machine() -> None:
+    assert transports.address_host("tcp://10.0.0.2:5630") == "10.0.0.2"
+    assert transports.address_host("ucx://[fd00::2]:5640") == "fd00::2"
+    assert transports.address_host("verbs://10.0.0.3:5640/7") == "10.0.0.3"
+    assert transports.address_host("shm://@10.0.0.2:5630") is None
+    assert transports.address_host("inproc://127.0.0.1:1") is None
+    assert transports.address_host("junk") is None
+    assert transports.shares_memory("shm") and not transports.shares_memory("tcp")
+
+
 def test_unknown_options_are_rejected() -> None:
     with pytest.raises(TypeError, match="timeout"):
         transports.create("tcp", timeuot_s=3)

@@ -237,13 +237,19 @@ class KvConfig:
         return None if made.lossless and not made.structural else made
 
 
+LOCALITIES = ("host", "none")  # router.locality
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     """How ingress picks each stage's replica: a policy name (``round_robin``, ``least_loaded``,
-    ``power_of_two``, an entry point of ``pdflow.routers``, ``"module:Class"``) or a Router class."""
+    ``power_of_two``, an entry point of ``pdflow.routers``, ``"module:Class"``) or a Router class.
+    ``locality``: ``"host"`` keeps a request's prefill and the store it writes into on one host
+    across machines (:mod:`pdflow.routing.locality`); ``"none"`` picks each on its own."""
 
     policy: str | type = "round_robin"
     options: dict[str, Any] = field(default_factory=dict)
+    locality: str = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,8 +457,8 @@ class Pipeline:
         """Who may speak to it changed, e.g. ``with_security(api_key_env="MY_KEY")``."""
         return dataclasses.replace(self, security=dataclasses.replace(self.security, **changes))
 
-    def with_router(self, policy: str | type, **options: Any) -> Pipeline:
-        return dataclasses.replace(self, router=RouterConfig(policy, options))
+    def with_router(self, policy: str | type, *, locality: str | None = None, **options: Any) -> Pipeline:
+        return dataclasses.replace(self, router=RouterConfig(policy, options, locality or self.router.locality))
 
     def with_transport(self, transport: str, **options: Any) -> Pipeline:
         """Every KV link over ``transport`` (``"inproc"`` for a pipeline inside one process)."""

@@ -27,6 +27,7 @@ from pdflow.config.pipeline import (
     DTYPES,
     KV_STREAMING,
     LINK_PAIRS,
+    LOCALITIES,
     MODES,
     OPTIONAL_STAGE_NAMES,
     STAGE_NAMES,
@@ -112,7 +113,7 @@ def parse_topology(text: str, path: Path, overrides: list[Override] = ()) -> Pip
         stages=_stages(r, stages, engine.mode, hosts, control.on),
         links=_links(r, raw.get("links", []), engine.mode, path),
         engine=engine,
-        router=_router(r, r.table(raw, "", "router", ("policy", "options"))),
+        router=_router(r, r.table(raw, "", "router", ("policy", "options", "locality"))),
         speculative=_speculative(r, r.table(raw, "", "speculative", [f.name for f in fields(SpeculativeConfig)])),
         scaler=_scaler(r, r.table(raw, "", "scaler", [f.name for f in fields(ScalerConfig)])),
         kv=_kv(r, r.table(raw, "", "kv", [f.name for f in fields(KvConfig)]), path),
@@ -481,7 +482,8 @@ def _scaler(r: TableReader, t: dict[str, Any]) -> ScalerConfig:
 
 def _router(r: TableReader, t: dict[str, Any]) -> RouterConfig:
     policy = r.string(t, "router", "policy", "round_robin", non_empty=True)
-    return RouterConfig(policy, _table(r, t, "router", "options"))
+    locality = r.string(t, "router", "locality", RouterConfig().locality, choices=LOCALITIES)
+    return RouterConfig(policy, _table(r, t, "router", "options"), locality)
 
 
 def _cores(r: TableReader, key: str, value: Any) -> tuple[int, ...]:

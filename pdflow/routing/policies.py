@@ -8,14 +8,18 @@ from pdflow.routing.base import ReplicaStatus, Router, RoutingRequest
 
 
 class RoundRobinRouter(Router):
-    """Each stage's healthy replicas in turn (a replica that is down is skipped)."""
+    """Each stage's healthy replicas in turn (a replica that is down is skipped). The turn is kept
+    per set of replicas offered: where ingress offers a subset (host locality: the prefills beside
+    the store picked), each subset takes its replicas in turn, rather than one counter that the
+    alternating subsets would alias onto the same replica."""
 
     def __init__(self) -> None:
-        self._next: dict[str, int] = {}
+        self._next: dict[tuple[str, tuple[int, ...]], int] = {}
 
     def pick(self, stage: str, request: RoutingRequest, replicas: list[ReplicaStatus]) -> int:
-        turn = self._next.get(stage, 0)
-        self._next[stage] = turn + 1
+        key = (stage, tuple(r.replica for r in replicas))
+        turn = self._next.get(key, 0)
+        self._next[key] = turn + 1
         return replicas[turn % len(replicas)].replica
 
 

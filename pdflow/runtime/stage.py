@@ -102,6 +102,8 @@ class Stage:
     passes each message on), so the table is not applied. ``receives_kv``: the stage has a data
     port (KV lands here). ``holds_kv``: the stage keeps KV across requests and handles
     :class:`~pdflow.messages.KvForget` (answering :class:`~pdflow.messages.KvForgotten`).
+    ``computes_kv``: prompts' KV starts here and goes into a stage that holds KV (across hosts,
+    ingress keeps the two on one host: :mod:`pdflow.routing.locality`).
     """
 
     kind: ClassVar[str] = ""
@@ -111,6 +113,7 @@ class Stage:
     stateless: ClassVar[bool] = False
     receives_kv: ClassVar[bool] = False
     holds_kv: ClassVar[bool] = False
+    computes_kv: ClassVar[bool] = False
     default_port: ClassVar[int | None] = None
     keys: StageKeys | None = None  # this replica's keys, when it runs as a process of a launcher
 
@@ -171,13 +174,25 @@ class Stage:
 
     def sent_stats(self, **senders) -> dict[str, int]:
         """For :meth:`stats`: the KV bytes each data-plane sender wrote, keyed
-        ``kv_sent_bytes@<stage>`` after the stage its output (the keyword) goes to."""
+        ``kv_sent_bytes@<stage>`` after the stage its output (the keyword) goes to, and of those
+        the bytes that went to another host, ``kv_network_bytes@<stage>``."""
         totals: dict[str, int] = {}
         for output, sender in senders.items():
             if sender is not None:
-                key = f"kv_sent_bytes@{self.pipeline.stages[self.output(output)].display_name}"
-                totals[key] = totals.get(key, 0) + sender.sent_bytes
+                peer = self.pipeline.stages[self.output(output)].display_name
+                totals[f"kv_sent_bytes@{peer}"] = totals.get(f"kv_sent_bytes@{peer}", 0) + sender.sent_bytes
+                key = f"kv_network_bytes@{peer}"
+                totals[key] = totals.get(key, 0) + self.network_bytes(sender)
         return totals
+
+    def network_bytes(self, sender) -> int:
+        """The KV bytes ``sender`` wrote to peers on another host than this replica's."""
+        from pdflow.transports import address_host
+
+        here = {self.config.address_of(self.replica), self.config.bind_host_of(self.replica), "127.0.0.1",
+                "localhost", "::1"}
+        return sum(sent for peer, sent in sender.sent_by_peer().items()
+                   if (host := address_host(peer)) is not None and host not in here)
 
     @staticmethod
     def copy_stats(*senders) -> dict[str, int]:

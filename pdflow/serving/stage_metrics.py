@@ -29,6 +29,7 @@ _SPEC_COUNTERS = {"speculative_drafts": ("spec_decode_num_drafts", "Number of sp
                   "speculative_accepted": ("spec_decode_num_accepted_tokens", "Number of accepted tokens.")}
 _POOL = {"pool_blocks": "total", "pool_free_blocks": "free", "awaiting_pool_blocks": "awaited"}
 _SENT_PREFIX = "kv_sent_bytes@"  # kv_sent_bytes@<peer stage>: see Stage.sent_stats
+_NETWORK_PREFIX = "kv_network_bytes@"  # kv_network_bytes@<peer stage>: of those, to another host
 _READ = {"batch_size", "decode_steps", "decode_step_rows", "requests_running", "requests_waiting", "queried_tokens",
          "hit_blocks", "blocks_total", "blocks_used", "disk_loaded_blocks", "disk_load_bytes", "spill_bytes",
          *_STORE_COUNTERS, *_STORE_GAUGES, *_SPEC_COUNTERS, *_POOL}
@@ -64,6 +65,8 @@ class _Families:
                       "those requests wait for (awaited).", labels=[*sr, "kind"])
         self.sent = c("pdflow_kv_sent_bytes", "KV bytes a replica wrote over the data plane, by the stage it wrote "
                       "to and the link's transport.", labels=[*sr, "peer", "transport"])
+        self.network = c("pdflow_kv_network_bytes", "Of pdflow_kv_sent_bytes, the bytes written to a replica on "
+                         "another host: the KV that crossed the network.", labels=[*sr, "peer", "transport"])
         self.store = {key: c(f"pdflow_kv_store_{key}", f"KV store {words}.", labels=sr)
                       for key, words in _STORE_COUNTERS.items()}
         self.tier_hits = c("pdflow_kv_store_hit_bytes", "KV bytes a store served to requests' prefixes, by the tier "
@@ -87,7 +90,7 @@ class _Families:
         self.running.add_metric([self.model], self.total_running)
         self.waiting.add_metric([self.model], self.total_waiting)
         return (self.configured, self.states, self.in_flight, self.restarts, self.batch, self.steps, self.rows,
-                self.pool, self.sent, *self.store.values(), self.tier_hits, self.spilled, self.tier_bytes, self.other,
+                self.pool, self.sent, self.network, *self.store.values(), self.tier_hits, self.spilled, self.tier_bytes, self.other,
                 self.running, self.waiting, self.usage, self.queries, self.hits, *self.spec.values())
 
 
@@ -130,6 +133,9 @@ class StageCollector:
             if key.startswith(_SENT_PREFIX):
                 peer = key[len(_SENT_PREFIX):]
                 f.sent.add_metric([*labels, peer, _transport_of(pipeline, name, peer)], value)
+            elif key.startswith(_NETWORK_PREFIX):
+                peer = key[len(_NETWORK_PREFIX):]
+                f.network.add_metric([*labels, peer, _transport_of(pipeline, name, peer)], value)
             elif key in _STORE_COUNTERS:
                 f.store[key].add_metric(labels, value)
             elif key in _STORE_GAUGES:

@@ -25,6 +25,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from pdflow import routing
+from pdflow.routing import locality
 from pdflow.tokenizing import load_tokenizer, model_limits
 from pdflow.kv.blocks import BlockHasher
 from pdflow.kv.holdings import Holdings
@@ -44,6 +45,7 @@ from pdflow.messages import (
 )
 from pdflow.routing import NoReplicaAvailable, ReplicaStatus, RoutingRequest
 from pdflow.runtime.kinds import stage_class, wired_to
+from pdflow.transports import shares_memory
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.security.keys import load_api_key
 from pdflow.serving.http_server import HttpServer, http_server
@@ -121,6 +123,9 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         self.holdings = Holdings() if self.router.uses_holdings else None  # what each store holds, as it says
         self.hasher = BlockHasher.for_pipeline(self.pipeline)
         self.keeps_kv = {name for name in self.routed if getattr(stage_class(self.pipeline, name), "holds_kv", False)}
+        computes_kv = {name for name in self.routed if getattr(stage_class(self.pipeline, name), "computes_kv", False)}
+        self.pairings = locality.pairings(self.pipeline, self.keeps_kv, computes_kv, shares_memory)
+        self.route_order = locality.route_order(self.routed, self.pairings)
         server = self.pipeline.server
         self.server = http_server(build_app(self), server.host, server.port, server.header_timeout_s)
         self.server_task = self.spawn(self.server.serve())
@@ -189,9 +194,8 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         request = RoutingRequest(request_id, prompt_ids)
         picked, fetch_from = {"ingress": self.replica}, {}
         ids = self.hasher.ids(prompt_ids) if self.holdings is not None else None
-        for name in self.routed:
-            routable = [(name, i) not in self.down and (name, i) not in self.unrouted
-                        for i in range(self.pipeline.stages[name].replicas)]
+        for name in self.route_order:
+            routable = self._on_paired_hosts(name, self._routable(name), picked)
             replicas = [
                 ReplicaStatus(i, routable[i], self.reported.get((name, i), 0), self.assigned[(name, i)],
                               *self._cached_tokens(name, i, ids))
@@ -212,6 +216,25 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
                 if peer is not None and peer != picked[name] and any(r.replica == peer for r in healthy):
                     fetch_from[name] = peer  # (a router's answer that is not another healthy replica: none)
         return Route(picked, fetch_from)
+
+    def _routable(self, stage: str) -> list[bool]:
+        return [(stage, i) not in self.down and (stage, i) not in self.unrouted
+                for i in range(self.pipeline.stages[stage].replicas)]
+
+    def _hosts(self, stage: str) -> list[str]:
+        return [self.pipeline.host_name_of(stage, i) for i in range(self.pipeline.stages[stage].replicas)]
+
+    def _on_paired_hosts(self, stage: str, routable: list[bool], picked: dict[str, int]) -> list[bool]:
+        """``routable`` narrowed by host locality (:mod:`pdflow.routing.locality`): a store only
+        where one of its producers is up, a producer only on its store's host."""
+        for pair in self.pairings:
+            if stage == pair.store:
+                up = {host for host, ok in zip(self._hosts(pair.producer), self._routable(pair.producer)) if ok}
+                routable = locality.restrict(routable, self._hosts(stage), up, pair.strict)
+            elif stage == pair.producer and pair.store in picked:
+                store_host = self.pipeline.host_name_of(pair.store, picked[pair.store])
+                routable = locality.restrict(routable, self._hosts(stage), {store_host}, pair.strict)
+        return routable
 
     def _cached_tokens(self, stage: str, replica: int, ids: list[int] | None) -> tuple[int | None, int | None]:
         """Tokens of the prompt (block ``ids``) whose KV ``replica`` of ``stage`` holds or is

@@ -70,7 +70,9 @@ class PeerFetch:
         """Fetches asked and served, with their blocks, and the bytes sent into other replicas' stores."""
         stats = dict(self.fetch_counts)
         if self.to_peers is not None:
-            stats[f"kv_sent_bytes@{self.pipeline.stages[self.ctx.stage].display_name}"] = self.to_peers.sent_bytes
+            peer = self.pipeline.stages[self.ctx.stage].display_name
+            stats[f"kv_sent_bytes@{peer}"] = self.to_peers.sent_bytes
+            stats[f"kv_network_bytes@{peer}"] = self.network_bytes(self.to_peers)
         return stats
 
     def fetch_peer(self, request: KvExpected) -> int | None:

@@ -91,6 +91,7 @@ class PrefillStage(Stage):
     outputs = {"tokens": "ingress", "done": "decode", "kv": "kv_shuttle"}
     opens = (PrefillRequest,)
     receives_kv = True  # cached prefixes
+    computes_kv = True
 
     @classmethod
     def admission(cls, submission: Submission, name: str) -> PrefillRequest:

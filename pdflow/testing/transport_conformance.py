@@ -261,7 +261,8 @@ async def check_buffers(h: Harness) -> None:
 
 
 async def check_many_in_flight(h: Harness, receivers: int = 3, per_receiver: int = 100) -> None:
-    """Hundreds of concurrent writes from two senders to several receivers all land, in place."""
+    """Hundreds of concurrent writes from two senders to several receivers all land, in place;
+    each sender counts the bytes it wrote to each receiver."""
     slot = 16 << 10
     async with h.make() as s1, h.make() as s2:
         targets = [h.make() for _ in range(receivers)]
@@ -292,6 +293,12 @@ async def check_many_in_flight(h: Harness, receivers: int = 3, per_receiver: int
                     assert buffer[chunk.offset : end] == data, "a chunk landed wrong"
                     untouched = bytes([GUARD_BYTE]) * (slot_end - end)
                     assert buffer[end:slot_end] == untouched, "wrote past its span"
+            # each sender counts what it wrote to each receiver (the per-link byte counts)
+            for sender, odd in ((s1, 1), (s2, 0)):
+                wrote = {target.address: sum(chunk.nbytes for i, (chunk, _) in chunks.items() if i % 2 == odd)
+                         for target, _, chunks in expected}
+                assert sender.sent_by_peer() == wrote, "sent_by_peer() miscounts"
+                assert sender.sent_bytes == sum(wrote.values())
         finally:
             for target in targets:
                 await target.aclose()

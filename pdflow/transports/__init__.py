@@ -44,12 +44,14 @@ __all__ = [
     "TransportError",
     "UndecodableChunk",
     "UnknownRegion",
+    "address_host",
     "availability",
     "byte_view",
     "create",
     "load",
     "names",
     "registry",
+    "shares_memory",
 ]
 
 registry = plugins.transports
@@ -57,6 +59,26 @@ BUILTIN, ENTRY_POINT_GROUP = registry.builtin, registry.group
 names = registry.names  # every known transport: the built-in ones, then those from entry points
 availability = registry.availability  # None if usable here, else why not (with the install hint)
 load = registry.load  # the class; LookupError if unknown, ImportError if not installed
+
+
+def shares_memory(name: str) -> bool:
+    """Whether transport ``name`` moves KV through memory one machine shares (cannot cross hosts);
+    False for one not available here."""
+    return availability(name) is None and bool(load(name).shares_memory)
+
+
+_ON_ONE_MACHINE = ("shm", "inproc")  # address schemes that never leave the machine
+
+
+def address_host(address: str) -> str | None:
+    """The host part of a transport address (``tcp://10.0.0.2:5630`` -> ``10.0.0.2``); None for
+    one that cannot leave this machine (``shm://``, ``inproc://``) or has no host."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme in _ON_ONE_MACHINE:
+        return None
+    netloc = rest.split("/", 1)[0]
+    host = netloc.rsplit(":", 1)[0] if ":" in netloc else netloc
+    return host.strip("[]") or None
 
 
 def create(name: str, host: str = "127.0.0.1", port: int = 0, **options: Any) -> Transport:

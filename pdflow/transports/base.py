@@ -204,6 +204,7 @@ class Transport(ABC):
             if pending is not None:
                 await self._finish(link, pending)
             self.sent_bytes += header.nbytes
+            self._route(address).sent_bytes += header.nbytes
         except ValueError:
             raise  # from _send, before anything went out: the link stays
         except BaseException as exc:
@@ -281,6 +282,11 @@ class Transport(ABC):
                 link = await route.reconnect(attempts, self._connect)
                 self._check_open()  # closed while connecting
             yield link
+
+    def sent_by_peer(self) -> dict[str, int]:
+        """The payload bytes written so far to each peer this sender reached (by its address as
+        ``write`` was given it, less any region part)."""
+        return {route.peer: route.sent_bytes for route in self._routes.values() if route.sent_bytes}
 
     def _route(self, address: str) -> Route:
         peer = self._peer(address)  # ValueError before anything is kept for it

@@ -38,6 +38,9 @@ class DelegatingTransport(Transport):
     def sent_bytes(self) -> int:  # type: ignore[override]
         return self.inner.sent_bytes
 
+    def sent_by_peer(self) -> dict[str, int]:
+        return self.inner.sent_by_peer()
+
     @property
     def address(self) -> str:
         return self.inner.address

@@ -41,6 +41,7 @@ class InProcTransport(Transport):
             raise TypeError(f"inproc transport takes no options, got {sorted(options)}")
         super().__init__(host, port)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._sent_to: dict[str, int] = {}
 
     async def start(self) -> None:
         self._check_open()
@@ -73,6 +74,10 @@ class InProcTransport(Transport):
             raise PeerUnreachable(f"no inproc receiver at {address}")
         receiver._deliver(header, payload)
         self.sent_bytes += header.nbytes
+        self._sent_to[address] = self._sent_to.get(address, 0) + header.nbytes
+
+    def sent_by_peer(self) -> dict[str, int]:
+        return dict(self._sent_to)
 
     def _deliver(self, header: KvChunkHeader, payload: memoryview) -> None:
         """Runs in the sender's thread: land the payload, then post the notice on our loop."""

@@ -47,6 +47,7 @@ class Route:
         self.link: Link | None = None
         self.attempts = 0
         self.failure: PeerUnreachable | None = None
+        self.sent_bytes = 0  # payload bytes written to this peer
 
     async def reconnect(self, attempts: int, connect: Callable[[str], Awaitable[Link]]) -> Link:
         """A new link in place of the one there is (closed, broken) or none (call under ``lock``).
