@@ -297,7 +297,10 @@ def _validate(args) -> int:
                      f"{topology.model.weights} weights{context}\n")
     sys.stdout.write(f"  {_architecture(topology.model)}\n")
     server = topology.server
-    sys.stdout.write(f"  HTTP API: http://{server.host}:{server.port}\n")
+    ports = sorted({server.port_of(i) for i in range(topology.stages["ingress"].replicas)})
+    shared = " (shared by every ingress replica: server.reuse_port)" if server.reuse_port and \
+        topology.stages["ingress"].replicas > 1 else ""
+    sys.stdout.write(f"  HTTP API: {', '.join(f'http://{server.host}:{port}' for port in ports)}{shared}\n")
     for host in topology.hosts.values():
         bind = f", binds {host.bind}" if host.bind else ""
         supervises = ", supervises (control.on)" if host.name == topology.control.on else ""

@@ -1,5 +1,5 @@
 """End to end, when things go wrong: a stage killed mid-stream, stages killed and frozen under
-load, and SIGTERM to the launcher.
+load, one of two front doors (ingress replicas) killed under streams, and SIGTERM to the launcher.
 
 The tests share one `pdflow run`; the SIGTERM test stops it, so it comes last. The fault tests
 are bounded for CI; experiments/reliability.py runs them at length.
@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pdflow.testing import faults
-from pdflow.testing.server import PdflowServer, held
+from pdflow.testing.server import PdflowServer, held, topology_text
 
 pytestmark = pytest.mark.e2e
 
@@ -33,6 +33,16 @@ def stream_id(ids: set[str]) -> str:
 
 POOL_BLOCKS = 5  # decode's pool here: 5 blocks of 64 tokens
 HEARTBEAT_TIMEOUT_S = 5  # a frozen stage is killed this long after its last heartbeat
+PORTS = 16  # topology_text's 11, then control (2) and ingress's control ports (2) moved past them
+SECOND_DOOR = 1  # ingress replica 1 serves the API on server.port + 1
+
+
+def two_front_doors(base: int, **settings) -> str:
+    """topology_text's pipeline with two ingress replicas, the API on ``base`` and ``base + 1``
+    (the control ports that were there move up, out of their way)."""
+    text = topology_text(base, **settings)
+    text = text.replace(f"[control]\nport = {base + 1}\n", f"[control]\nport = {base + 11}\n")
+    return text.replace(f"[stages.ingress]\nport = {base + 3}\n", f"[stages.ingress]\nreplicas = 2\nport = {base + 13}\n")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +54,10 @@ def server(tmp_path_factory, model_dir):
 
     kv = KvLayout.from_config(AutoConfig.from_pretrained(model_dir))
     pool_bytes = POOL_BLOCKS * 2 * kv.num_layers * kv.block_bytes(64)
-    with PdflowServer(tmp_path_factory.mktemp("pdflow-failures"), log_format="json",
-                      kv={"decode_pool_bytes": pool_bytes}, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as running:
+    topology = lambda base: two_front_doors(base, kv={"decode_pool_bytes": pool_bytes},  # noqa: E731
+                                            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    with PdflowServer(tmp_path_factory.mktemp("pdflow-failures"), log_format="json", topology=topology,
+                      ports=PORTS) as running:
         yield running
 
 
@@ -172,9 +184,72 @@ def test_stages_killed_and_frozen_under_load_lose_no_request_and_leave_nothing_b
     assert restarts["kv-shuttle-0"] >= 1 and restarts["prefill-0"] >= 1, restarts
 
 
+def test_killing_one_of_two_front_doors_loses_none_of_the_other_s_streams(server):
+    """Two ingress replicas behind a round robin (the client's): streams on both, then kill -9 of
+    one. Every stream on the other completes; a new request on it succeeds at once, with no wait
+    for anything to notice; the dead one's streams, retried on the next door of the round robin,
+    complete too; the stages drop what they held for its requests; its host's launcher brings it
+    back, and it serves again."""
+    doors = [server.url, f"http://127.0.0.1:{server.base + SECOND_DOOR}"]
+    turn = iter(range(1_000_000))
+
+    def front_door() -> str:  # a simple round robin in front of them
+        return doors[next(turn) % len(doors)]
+
+    faults.settled(server)
+    results: dict[int, dict] = {}
+    started = threading.Barrier(5)
+
+    def stream(i: int) -> None:
+        door = front_door()
+        results[i] = {"door": door, "text": "", "tries": 0}
+        for _ in range(len(doors)):  # a request whose door died is retried on the next one
+            results[i]["tries"] += 1
+            client = openai.OpenAI(base_url=f"{door}/v1", api_key="unused", max_retries=0, timeout=60)
+            try:
+                text, first = "", True
+                for chunk in client.chat.completions.create(model="smollm2", messages=STORY, temperature=0,
+                                                            max_tokens=48, stream=True):
+                    if first and results[i]["tries"] == 1:
+                        first = False
+                        started.wait(60)
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        results[i]["finish"] = chunk.choices[0].finish_reason
+                    text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                results[i].update(text=text, served_by=door)
+                return
+            except openai.APIError as exc:
+                results[i].setdefault("errors", []).append(f"{door}: {exc}")
+                door = doors[(doors.index(door) + 1) % len(doors)]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    started.wait(60)  # every stream has its first token
+    old = faults.kill9(server, "ingress-1")
+    client = openai.OpenAI(base_url=f"{doors[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=4)
+    assert reply.choices[0].finish_reason == "length"  # the survivor took it at once
+    for thread in threads:
+        thread.join(120)
+    on_survivor = [r for r in results.values() if r["door"] == doors[0]]
+    on_killed = [r for r in results.values() if r["door"] == doors[1]]
+    assert len(on_survivor) == len(on_killed) == 2, results
+    assert all(r["tries"] == 1 and r.get("finish") == "length" for r in on_survivor), on_survivor
+    assert all(r["tries"] == 2 and r.get("served_by") == doors[0] and r.get("finish") == "length"
+               for r in on_killed), on_killed  # retried on the next door: whole there
+    assert all(r["text"] for r in results.values())
+    assert faults.wait_replaced(server, "ingress-1", old, 120) is not None, server.log()
+    faults.settled(server)  # what the stages held for the dead door's requests is gone
+    assert "requests.orphaned" in server.log()
+    again = openai.OpenAI(base_url=f"{doors[1]}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert again.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0,
+                                         max_tokens=4).choices[0].finish_reason == "length"
+
+
 def test_sigterm_stops_the_whole_tree_within_10_s(client, server):
     pids = list(server.stage_pids().values())
-    assert len(pids) == 4 and all(faults.alive(pid) for pid in pids)
+    assert len(pids) == 5 and all(faults.alive(pid) for pid in pids)
     outcome = {}
 
     def in_flight_request():

@@ -78,6 +78,34 @@ def test_replicas_addresses_and_links() -> None:
         t.stages["ingress"].data_port_of(0)
 
 
+def test_several_front_doors_each_on_a_port_of_its_own_or_sharing_one() -> None:
+    t = parse("[stages.ingress]", "replicas = 3")
+    assert [t.server.port_of(i) for i in range(3)] == [8000, 8001, 8002]
+    shared = parse("[server]", "reuse_port = true", "[stages.ingress]", "replicas = 3")
+    assert [shared.server.port_of(i) for i in range(3)] == [8000, 8000, 8000]  # SO_REUSEPORT: no clash
+
+
+def test_front_doors_sharing_a_port_each_bind_it() -> None:
+    import socket
+
+    from pdflow.serving.http_server import shared_port_socket
+
+    first = shared_port_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    second = shared_port_socket("127.0.0.1", port)  # another ingress replica, on the same port
+    try:
+        for sock in (first, second):
+            sock.listen()
+        with socket.socket() as plain, pytest.raises(OSError):  # one that does not share it cannot
+            plain.bind(("127.0.0.1", port))
+        for _ in range(4):  # connections are accepted whichever socket the kernel picks
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_link_codec_and_the_return_links_that_inherit_it() -> None:
     t = parse("[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'codec = "int4"',
               "codec_options = { key_group = 32 }")
@@ -163,8 +191,8 @@ BAD_FILES = [
     ("duplicate core", ["[stages.decode]", "cores = [0, 0]"], "stages.decode.cores[1]", 2, "core 0 is listed twice"),
     ("negative replicas", ["[stages.decode]", "replicas = -1"],
      "stages.decode.replicas", 2, "expected an integer >= 1, got -1"),
-    ("ingress replicas 2", ["[stages.ingress]", "replicas = 2"],
-     "stages.ingress.replicas", 2, "must have exactly 1 replica, got 2"),
+    ("second front door's port taken", ["[server]", "port = 5509", "[stages.ingress]", "replicas = 2"],
+     "stages.ingress.port", 3, "port 5510 is also used by server.port + 1 (ingress replica 1)"),
     ("port clash between stages", ["[stages.prefill]", "port = 5510"],
      "stages.prefill.port", 2, "port 5510 is also used by stages.ingress.port"),
     ("port clash via replicas", ["[stages.prefill]", "replicas = 2", "", "[stages.kv_shuttle]", "port = 5521"],

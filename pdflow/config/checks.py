@@ -39,9 +39,6 @@ def check_pipeline(pipeline: Pipeline, written: Callable[[str], bool] = lambda k
     stages = pipeline.stages
     if "ingress" not in stages:
         raise PipelineError("stages.ingress", "every pipeline has an ingress stage (it serves the HTTP API)")
-    if stages["ingress"].replicas != 1:
-        raise PipelineError("stages.ingress.replicas", "ingress owns the HTTP port, so it must have exactly "
-                            f"1 replica, got {stages['ingress'].replicas}")
     for name in MODES[pipeline.engine.mode]:
         if name not in stages:
             raise PipelineError(f"stages.{name}", f"a {pipeline.engine.mode} pipeline needs a {name} stage")
@@ -287,9 +284,14 @@ class _Endpoint:
 
 def _endpoints(pipeline: Pipeline) -> list[_Endpoint]:
     server, control = pipeline.server, pipeline.control
-    ingress_on = pipeline.host_name_of("ingress", 0) if "ingress" in pipeline.stages else ""
-    found = [
-        _Endpoint(server.host, server.port, "server.port", machine=ingress_on),
+    found, http_on = [], {}  # the HTTP ports: one per ingress replica (server.reuse_port: per host)
+    for i in range(pipeline.stages["ingress"].replicas if "ingress" in pipeline.stages else 1):
+        machine = pipeline.host_name_of("ingress", i) if "ingress" in pipeline.stages else ""
+        if not (server.reuse_port and machine in http_on):
+            http_on[machine] = i
+            found.append(_Endpoint(server.host, server.port_of(i), "server.port", server.port_of(i) - server.port,
+                                   f"ingress replica {i}", machine))
+    found += [
         _Endpoint(control.bind or control.host, control.port, "control.port", machine=control.on),
         _Endpoint(control.bind or control.host, control.port + 1, "control.port", 1, "the PUB socket", control.on),
     ]

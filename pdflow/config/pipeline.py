@@ -81,7 +81,10 @@ class ServerConfig:
     """The HTTP API. ``max_body_bytes``: a larger request body is refused (413) before it is
     read; ``header_timeout_s``: a connection that has not sent a request's headers by then is
     closed; ``max_messages``: a chat request with more messages is refused (400) before it is
-    templated; ``metrics_open``: ``GET /metrics`` is served without the API key (the rest keeps it)."""
+    templated; ``metrics_open``: ``GET /metrics`` is served without the API key (the rest keeps it).
+    With several ingress replicas each serves the API on a port of its own, ``port + i``, or, with
+    ``reuse_port``, all on ``port`` (SO_REUSEPORT: the kernel spreads connections among those on one
+    host)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -89,6 +92,11 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     max_messages: int = 4096
     metrics_open: bool = False
+    reuse_port: bool = False
+
+    def port_of(self, replica: int) -> int:
+        """The HTTP port of ingress replica ``replica``."""
+        return self.port if self.reuse_port else self.port + replica
 
 
 @dataclass(frozen=True, slots=True)

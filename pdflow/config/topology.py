@@ -183,6 +183,7 @@ def _server(r: TableReader, t: dict[str, Any]) -> ServerConfig:
         header_timeout_s=r.number(t, "server", "header_timeout_s", d.header_timeout_s, gt=0),
         max_messages=r.integer(t, "server", "max_messages", d.max_messages, ge=1),
         metrics_open=r.boolean(t, "server", "metrics_open", d.metrics_open),
+        reuse_port=r.boolean(t, "server", "reuse_port", d.reuse_port),
     )
 
 

@@ -554,17 +554,23 @@ class Launcher(ScalingLauncher):
                 proc.kill()
                 proc.join(1.0)
 
+    def _api_urls(self) -> list[str]:
+        """Where each ingress replica serves the API (one URL per host with server.reuse_port)."""
+        server, ingress = self.topology.server, self.topology.stages["ingress"]
+        urls = [f"http://{ingress.address_of(i) if server.host in ('0.0.0.0', '::') else server.host}:"
+                f"{server.port_of(i)}/v1" for i in range(ingress.replicas)]
+        return list(dict.fromkeys(urls))
+
     def _print_status(self, headline: str) -> None:
-        server = self.topology.server
-        where = self.topology.stages["ingress"].address_of(0) if server.host in ("0.0.0.0", "::") else server.host
+        api = ", ".join(self._api_urls())
         hosts = bool(self.topology.hosts)
         if self.log_format == "json":  # one event, as every other line of a JSON log
-            log.info("pipeline.status", headline=headline, api=f"http://{where}:{server.port}/v1", replicas=[
+            log.info("pipeline.status", headline=headline, api=api, replicas=[
                 {"replica": self._name(rep), "host": rep.host, "pid": (rep.process.pid if rep.process else rep.pid),
                  "cores": list(self.topology.stages[rep.stage].cores), "device": self.topology.stages[rep.stage].device,
                  "state": self._state(rep), "restarts": rep.restarts} for rep in self.replicas.values()])
             return
-        lines = [f"pdflow: {headline} — API at http://{where}:{server.port}/v1",
+        lines = [f"pdflow: {headline} — API at {api}",
                  f"  {'stage':<14}" + (f"{'host':<12}" if hosts else "")
                  + f"{'pid':>8}  {'cores':<10}{'device':<8}{'state':<10}{'restarts':>8}"]
         for rep in self.replicas.values():

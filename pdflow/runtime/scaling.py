@@ -79,8 +79,9 @@ class ScalingLauncher:
             running = [r for r in live if r.draining_since is None]
             stages[name] = StageLoad(cfg.kind_name, len(running), sum(_work(r) for r in running), cfg.floor,
                                      cfg.replicas)
-        said = self.replicas[("ingress", 0)].stats
-        ttft, tbt = said.get("ttft_p90_us"), said.get("tbt_p90_us")
+        said = [r.stats for r in self.replicas.values() if r.stage == "ingress"]  # each front door's p90: the worst
+        ttft = max((s["ttft_p90_us"] for s in said if "ttft_p90_us" in s), default=None)
+        tbt = max((s["tbt_p90_us"] for s in said if "tbt_p90_us" in s), default=None)
         return Load(stages, None if ttft is None else ttft / 1e6, None if tbt is None else tbt / 1e6)
 
     async def _scale_up(self, stage: str, why: str) -> None:

@@ -416,9 +416,21 @@ class Stage:
             if handler is None:
                 continue
             try:
+                if isinstance(message, StageDown) and message.stage == "ingress" and self.ctx.stage != "ingress":
+                    await self._drop_orphans(message.replica)
                 await _call(handler, message)
             except Exception:
                 self.log.exception("bus.handler.failed", message=type(message).__name__)
+
+    async def _drop_orphans(self, ingress: int) -> None:
+        """Ingress replica ``ingress`` died: the clients of its requests went with it, so what this
+        stage holds for them is cancelled (the other replicas' requests go on)."""
+        orphans = [rid for rid, state in self.requests.active.items()
+                   if (route := getattr(state, "route", None)) is not None and route.of("ingress") == ingress]
+        for rid in orphans:
+            await self.cancel(rid, f"ingress replica {ingress} went down")
+        if orphans:
+            self.log.info("requests.orphaned", ingress=ingress, cancelled=len(orphans))
 
     async def _heartbeat_loop(self) -> None:
         seq = 0

@@ -48,7 +48,7 @@ from pdflow.runtime.kinds import stage_class, wired_to
 from pdflow.transports import shares_memory
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.security.keys import load_api_key
-from pdflow.serving.http_server import HttpServer, http_server
+from pdflow.serving.http_server import HttpServer, http_server, shared_port_socket
 from pdflow.serving.logprobs_format import TokenTexts
 from pdflow.serving.metrics import ServingMetrics
 from pdflow.serving.openai_responses import system_fingerprint
@@ -127,13 +127,15 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         self.pairings = locality.pairings(self.pipeline, self.keeps_kv, computes_kv, shares_memory)
         self.route_order = locality.route_order(self.routed, self.pairings)
         server = self.pipeline.server
-        self.server = http_server(build_app(self), server.host, server.port, server.header_timeout_s)
-        self.server_task = self.spawn(self.server.serve())
+        port = server.port_of(self.replica)
+        self.server = http_server(build_app(self), server.host, port, server.header_timeout_s)
+        sockets = [shared_port_socket(server.host, port)] if server.reuse_port else None
+        self.server_task = self.spawn(self.server.serve(sockets))
         while not self.server.started:
             if self.server_task.done():
-                raise RuntimeError(f"HTTP server did not start on {server.host}:{server.port}")
+                raise RuntimeError(f"HTTP server did not start on {server.host}:{port}")
             await asyncio.sleep(0.02)
-        self.log.info("http.listening", url=f"http://{server.host}:{server.port}")
+        self.log.info("http.listening", url=f"http://{server.host}:{port}", shared_port=server.reuse_port)
         self.spawn(self._reap_loop(), essential=True)
 
     async def teardown(self) -> None:

@@ -382,7 +382,8 @@ class KvShuttleStage(PeerFetch, Stage):
         else:
             memory, disk = self.store.forget(ids), 0
         self.log.info("store.forgot", everything=message.everything, memory_blocks=memory, disk_blocks=disk)
-        await self.bus.send("ingress", 0, KvForgotten(message.forget_id, self.ctx.stage, self.replica, memory, disk))
+        await self.bus.broadcast("ingress", KvForgotten(  # (the ingress that asked knows its id)
+            message.forget_id, self.ctx.stage, self.replica, memory, disk))
 
     def on_prefix_destination(self, message: PrefixDestination) -> None:
         entry: _Entry = self.requests.get(message.request_id)

@@ -93,7 +93,8 @@ class WorkerStage(SendsStepTokens, CountsDecodeSteps, Stage):
         memory = 0
         if self.cache is not None:
             memory = self.cache.forget(None if message.everything else message.prompt_ids)
-        await self.bus.send("ingress", 0, KvForgotten(message.forget_id, self.ctx.stage, self.replica, memory, 0))
+        await self.bus.broadcast("ingress", KvForgotten(  # (the ingress that asked knows its id)
+            message.forget_id, self.ctx.stage, self.replica, memory, 0))
 
     def stats(self) -> dict[str, int]:
         speculation = self.batch.speculation.stats() if self.batch.speculation is not None else {}
