@@ -316,6 +316,9 @@ def _validate(args) -> int:
     sys.stdout.write(f"  engine: {engine.mode}, kv_streaming {engine.kv_streaming}"
                      + (f", chunked prefill {engine.chunked_prefill_tokens} tokens" if engine.chunked_prefill_tokens else "")
                      + "\n")
+    if topology.kv.direct and not topology.colocated:
+        sys.stdout.write("  kv: direct path (kv.direct): prefill writes a request with no stored prefix into "
+                         "decode's pool, and into the store behind it\n")
     if (store := topology.kv.store_codec()) is not None:
         sys.stdout.write(f"  kv store: blocks kept encoded, {store.spec}\n")
     from pdflow.routing import locality

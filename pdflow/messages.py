@@ -14,7 +14,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 12  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
+PROTOCOL_VERSION = 13  # 2: generic routes, plug-in message types, the version on every frame; 3: the KV store;
 # 4: authenticated planes (the data-plane handshake proves the pipeline key; request messages are sender-checked);
 # 5: tokens straight to ingress, decode's KV destinations in pool slots; 6: KV computed and attended in the
 # store's own blocks (KvPlan.prefix_slots, KvInPlace, KvInStore); 7: the disk tier (KvExpected.keep_s, PlanWanted,
@@ -22,7 +22,8 @@ PROTOCOL_VERSION = 12  # 2: generic routes, plug-in message types, the version o
 # bytes for KV); 9: KvDestination slots of -1 (blocks a structural codec drops), DecodeRequest.prompt_ids
 # (speculative decoding); 10: several hosts (ReplicaExited, from a host's launcher), KvHoldings; 11: a prefix
 # fetched from another store (Route.fetch_from, KvFetch, KvFetched); 12: the sampling API (SamplingParams' penalties,
-# bias, min_p, min_tokens, logprobs and guide; Tokens/TextDelta logprobs; KvExpected.reuse_prefix)
+# bias, min_p, min_tokens, logprobs and guide; Tokens/TextDelta logprobs; KvExpected.reuse_prefix); 13: the direct
+# path (KvPlan.direct: prefill writes into decode's pool itself)
 
 
 # (omit_defaults would do nothing here: msgspec sends every field of an array_like struct)
@@ -120,7 +121,9 @@ class KvPlan(Message):
     """kv-shuttle -> prefill: the first ``cached_tokens`` of the prompt are in the store, in
     ``prefix_slots`` (their KV comes to the region prefill names in a :class:`PrefixDestination`,
     or prefill reads it there, where it maps the arena); write the KV of the rest into ``slots``
-    of the store's arena (``num_slots`` slots) in ``region`` at ``address``."""
+    of the store's arena (``num_slots`` slots) in ``region`` at ``address``. With ``direct``
+    (``kv.direct``, no prefix stored): decode's pool destination, where prefill writes the KV
+    first; the store forwards none of it."""
 
     request_id: str
     address: str
@@ -129,6 +132,7 @@ class KvPlan(Message):
     cached_tokens: int
     slots: list[int]
     prefix_slots: list[int] = []
+    direct: KvDestination | None = None
 
 
 class KvForget(Message):

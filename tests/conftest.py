@@ -70,8 +70,11 @@ def default_server(tmp_path_factory, model_dir):
     """One `pdflow run` of the default topology (disaggregated, tcp data plane, prefix cache on)
     for the whole session: every module that needs no other shape shares it (each start costs
     about 20 s). Tests leave it as they found it: no request in flight, no lease held. Its secret
-    is known (``default_server.keys()``), so a test can speak on its control plane as any replica."""
-    with PdflowServer(tmp_path_factory.mktemp("pdflow"), server=DEFAULT_SERVER) as running:
+    is known (``default_server.keys()``), so a test can speak on its control plane as any replica.
+    One setting differs from the default: ``kv.direct``, so that every module on it runs the direct
+    path (prefill into decode's pool) for prompts with no stored prefix and the store's path for
+    the rest; the store's forwarding of every chunk is what every other server runs."""
+    with PdflowServer(tmp_path_factory.mktemp("pdflow"), server=DEFAULT_SERVER, kv={"direct": True}) as running:
         yield running
 
 

@@ -52,6 +52,7 @@ def check_pipeline(pipeline: Pipeline, written: Callable[[str], bool] = lambda k
     _check_links(pipeline, cross_process)
     _check_hosts(pipeline)
     _check_store_codec(pipeline)
+    _check_direct(pipeline)
     _check_router(pipeline)
     _check_speculative(pipeline)
     _check_weights(pipeline)
@@ -171,6 +172,23 @@ def _check_hosts(pipeline: Pipeline) -> None:
             raise PipelineError(f"links[{i}].transport", f"transport {link.transport!r} shares memory on one "
                                 f"machine, but {link.src} and {link.dst} run on hosts {', '.join(sorted(ends))}; "
                                 "use tcp (or ucx, verbs) between hosts")
+
+
+def _check_direct(pipeline: Pipeline) -> None:
+    """kv.direct: prefill writes into decode's pool over the store's link to decode."""
+    if not pipeline.kv.direct:
+        return
+    if pipeline.colocated:
+        raise PipelineError("kv.direct", "the colocated worker keeps its KV itself: there is no store to go "
+                            "around; remove direct")
+    link = pipeline.link("kv_shuttle", "decode")
+    if _made_codec(link.make_codec, "links").structural:
+        raise PipelineError("kv.direct", f"the link into decode drops KV ({link.codec}), which only the store "
+                            "knows how to lay out in decode's pool; remove direct or that codec")
+    if pipeline.multi_host and plugins.transports.availability(link.transport) is None and \
+            plugins.transports.load(link.transport).shares_memory:
+        raise PipelineError("kv.direct", f"prefill writes into decode's pool over the link into decode, and "
+                            f"{link.transport!r} does not cross hosts; use tcp (or ucx, verbs) there")
 
 
 def _made_codec(make, key: str):

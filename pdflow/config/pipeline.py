@@ -220,6 +220,9 @@ class KvConfig:
     ``codec`` / ``codec_options``: how the store keeps its blocks, in memory and on disk
     (:mod:`pdflow.kv.codecs`; "int8": 3.9x the blocks in the same memory); chunks into the store
     are encoded by their senders, chunks out of it decoded where they land.
+    ``direct``: a request whose prefix the store does not hold has prefill write its KV straight
+    into decode's pool, and into the store behind it, instead of through the store (which
+    forwards nothing for it): one hop fewer on the way to decode.
     """
 
     prefix_cache: bool = True
@@ -236,6 +239,7 @@ class KvConfig:
     prefetch: bool = True
     codec: str = "none"
     codec_options: dict[str, Any] = field(default_factory=dict)
+    direct: bool = False
 
     def store_codec(self):
         """The store's codec, or None where it keeps the KV's own bytes (errors as LinkConfig.make_codec)."""

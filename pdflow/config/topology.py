@@ -327,6 +327,7 @@ def _kv(r: TableReader, t: dict[str, Any], topology_path: Path) -> KvConfig:
         prefetch=r.boolean(t, "kv", "prefetch", d.prefetch),
         codec=(codec := r.string(t, "kv", "codec", d.codec, non_empty=True)),
         codec_options=_codec_options(r, t, "kv", codec, topology_path),
+        direct=r.boolean(t, "kv", "direct", d.direct),
     )
 
 

@@ -13,7 +13,10 @@ plane once (region 0), so chunks land straight in their slots. For each request:
 2. ``PrefixDestination`` (prefill) and ``KvDestination`` (decode): the cached prefix streams to
    both, layer by layer;
 3. each chunk prefill writes is forwarded to decode the moment it lands (cut-through), and every
-   full block is committed to the store once all its layers are in;
+   full block is committed to the store once all its layers are in. With ``kv.direct``, a request
+   with no prefix stored is planned once decode's pool destination is here (or prefill asks for
+   the plan first): the plan carries it, prefill writes each layer into decode's pool and then
+   here, and nothing is forwarded;
 4. ``KvReleased`` (decode, at the request's end): the answer's KV that completes new blocks comes
    back (``KvReturnSlots``, then decode's chunks), is committed, and the leases are dropped.
 
@@ -150,6 +153,7 @@ class _Entry:
     plan_wanted: asyncio.Future | None = None  # prefill is about to compute it (PlanWanted)
     arrival: int = 0  # its place in the order requests arrived here
     writer: Writer | None = None  # the prompt blocks it computes, while later requests may wait for them
+    direct: bool = False  # prefill writes its KV into decode's pool itself (kv.direct): nothing to forward
 
     @property
     def route(self):
@@ -203,6 +207,7 @@ class KvShuttleStage(PeerFetch, Stage):
                              first_version=disk.max_version + 1 if disk is not None else 1, codec=codec)
         self.tiers = DiskBackedStore(self.store, disk) if disk is not None else None
         self.prefetch = settings.prefetch
+        self.direct = settings.direct
         self.arena, self.memory = self.store.layout, self.store.span(0, self.store.layout.nbytes)
         self.hasher = BlockHasher.for_pipeline(topo)
         self.reuse = settings.prefix_cache
@@ -288,7 +293,7 @@ class KvShuttleStage(PeerFetch, Stage):
         self.requests.open(message.request_id, entry)
         ids = self.hasher.ids(message.prompt_ids) if self.reuse and message.reuse_prefix else []
         if self._on_the_way(entry, ids) is None and not self._continues_on_disk(ids, len(message.prompt_ids)) \
-                and self.fetch_peer(message) is None:
+                and self.fetch_peer(message) is None and not self.direct:
             await self._plan(entry, ids)
         else:  # blocks on their way, on disk or in another store, to wait for: not in the inbox's way
             self._spawn_for(entry, self._plan(entry, ids))
@@ -342,12 +347,33 @@ class KvShuttleStage(PeerFetch, Stage):
         entry.layer_in = [0.0] * self.kv.num_layers
         if not any(entry.layer_left):  # an empty prompt: nothing to land (any other leaves prefill its last token)
             entry.enter(Phase.PROMPT_IN)
+        direct = await self._direct_destination(entry) if self.direct and not entry.cached else None
+        if rid not in self.requests:
+            return  # cancelled meanwhile (its lease went with it)
+        entry.direct = direct is not None
         plan = KvPlan(rid, self.address, ARENA, self.arena.num_slots, entry.cached, lease.slots[lease.hit :],
-                      lease.slots[: lease.hit])
+                      lease.slots[: lease.hit], direct)
         await self.send_output("destination", message.route, plan)
         destination = entry.decode_destination
         if entry.cached and destination.done() and not destination.cancelled():
             self._prefix_to_decode(entry, destination.result())
+
+    async def _direct_destination(self, entry: _Entry) -> KvDestination | None:
+        """Decode's pool destination for the direct path (``kv.direct``): waited for until it is
+        here or prefill asks for the plan, whichever is first; None where the request goes through
+        the store (prefill got there first, decode attends here or took no pool blocks for it)."""
+        destination = entry.decode_destination
+        if not destination.done():
+            entry.plan_wanted = entry.plan_wanted or asyncio.get_running_loop().create_future()
+            await asyncio.wait([destination, entry.plan_wanted], timeout=self.limits.request_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        if not destination.done() or destination.cancelled():
+            return None
+        found = destination.result()
+        blocks = -(-entry.num_tokens // self.arena.block_tokens)
+        if not isinstance(found, KvDestination) or len(found.slots) < blocks or -1 in found.slots[:blocks]:
+            return None
+        return found
 
     async def _from_disk(self, entry: _Entry, ids: list[int], usable: int) -> None:
         """The blocks of the prompt's prefix that follow its memory hit and are on disk, into
@@ -510,7 +536,8 @@ class KvShuttleStage(PeerFetch, Stage):
             if entry.phase is Phase.ANSWERING:
                 self._answer_landed(entry, header)
             else:
-                self._spawn_for(entry, self._forward(entry, header))
+                if not entry.direct:  # (direct: prefill wrote it into decode's pool itself)
+                    self._spawn_for(entry, self._forward(entry, header))
                 self._prompt_landed(entry, header)
 
     def _blocks_of(self, header: KvChunkHeader, first_block: int) -> range:

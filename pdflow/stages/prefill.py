@@ -105,6 +105,8 @@ class PrefillStage(Stage):
         self.model.max_context = topo.model.context(self.model.max_context)  # (model.max_model_len)
         self.samplers = SamplerFactory(self.model.eos_token_ids, self.model.vocab_size, self.ctx.model_dir)
         self.to_shuttle = self.kv_sender("kv")
+        # kv.direct: KV also straight into decode's pool, over the store's link to decode
+        self.to_decode = self._direct_sender() if topo.kv.direct else None
         # KV computed in device memory goes to the store's host arena through pinned buffers,
         # copied on a stream and a thread of their own (the loop and the forward never wait)
         self.stager = Stager()
@@ -125,7 +127,19 @@ class PrefillStage(Stage):
         self.spawn(self._worker(), essential=True)
         self.spawn(self._notice_loop(), essential=True)
 
+    def _direct_sender(self):
+        """A data-plane sender into decode's pool: the transport, options and codec of the link
+        from the store to decode, whose receiver it writes to."""
+        from pdflow.kv.coded import CodedTransport
+
+        link = self.pipeline.link(self.output("kv"), self.output("done"))
+        transport = transports.create(link.transport, host=self.config.bind_host_of(self.replica), **link.options)
+        transport.authenticate(self.data_key)
+        return CodedTransport(transport, link.make_codec(), self.pipeline.kv.block_tokens)
+
     async def teardown(self) -> None:
+        if self.to_decode is not None:
+            await self.to_decode.aclose()
         await self.to_shuttle.aclose()
         await self.from_shuttle.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -139,7 +153,7 @@ class PrefillStage(Stage):
             if self.on_device else {}
         waiting = self.queue.qsize()  # (one job at a time: the rest it holds is the one it runs)
         return {**self.copy_stats(self.to_shuttle), **self.codec_stats(self.to_shuttle, self.from_shuttle),
-                **self.sent_stats(kv=self.to_shuttle), **staged, "requests_waiting": waiting,
+                **self.sent_stats(kv=self.to_shuttle, done=self.to_decode), **staged, "requests_waiting": waiting,
                 "requests_running": max(len(self.requests) - waiting, 0)}
 
     def on_request(self, message: PrefillRequest) -> None:
@@ -383,7 +397,12 @@ class PrefillStage(Stage):
         layout = self.model.layout
         arena = ArenaLayout(layout, self.pipeline.kv.block_tokens, plan.num_slots, self.store_codec)
         n, table = len(job.request.prompt_ids), plan.prefix_slots + plan.slots
+        direct = plan.direct if self.to_decode is not None and plan.cached_tokens == 0 else None
+        if direct is not None:
+            pool = ArenaLayout(layout, self.pipeline.kv.block_tokens, direct.num_slots)
+            pool_slots = direct.slots[: -(-n // pool.block_tokens)]
         sent: list[float] = []
+        target = "kv-shuttle"  # where the writes go now (what a failure names)
         try:
             if self.pipeline.engine.kv_streaming == "request":
                 await computed.wait()
@@ -395,6 +414,14 @@ class PrefillStage(Stage):
                 # from device memory through a staging buffer, held until the writes are done
                 # (host memory: the tensors as they are)
                 async with self.stager.to_host([keys, values], ready) as (keys, values):
+                    if direct is not None:  # into decode's pool first: the store's copy goes behind it
+                        into_pool = between_slots(rid, arena, in_arena.memory, layer, (KEYS, VALUES), plan.slots, 0, n,
+                                                  pool, pool_slots, direct.region) if in_arena is not None else \
+                            into_slots(rid, pool, direct.region, layer, keys, values, pool_slots, 0)
+                        target = "decode"
+                        for header, data in into_pool:
+                            await self.to_decode.write(direct.address, header, data)
+                        target = "kv-shuttle"
                     if in_arena is not None:  # from where they are: the writes copy nothing
                         chunks = between_slots(rid, arena, in_arena.memory, layer, (KEYS, VALUES), plan.slots,
                                                plan.cached_tokens, n, arena, table, plan.region)
@@ -409,5 +436,5 @@ class PrefillStage(Stage):
             return None
         except transports.TransportError as exc:
             self.log.error("kv.send.failed", request_id=rid, error=repr(exc))
-            await self.fail(rid, f"KV transfer to kv-shuttle failed: {exc!r}", job.route, transient=True)
+            await self.fail(rid, f"KV transfer to {target} failed: {exc!r}", job.route, transient=True)
             return None
