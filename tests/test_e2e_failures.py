@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pdflow.testing import faults
-from pdflow.testing.server import PdflowServer, held, topology_text
+from pdflow.testing.server import FRONT_DOOR_PORTS, PdflowServer, front_doors_topology, held
 
 pytestmark = pytest.mark.e2e
 
@@ -33,16 +33,7 @@ def stream_id(ids: set[str]) -> str:
 
 POOL_BLOCKS = 5  # decode's pool here: 5 blocks of 64 tokens
 HEARTBEAT_TIMEOUT_S = 5  # a frozen stage is killed this long after its last heartbeat
-PORTS = 16  # topology_text's 11, then control (2) and ingress's control ports (2) moved past them
 SECOND_DOOR = 1  # ingress replica 1 serves the API on server.port + 1
-
-
-def two_front_doors(base: int, **settings) -> str:
-    """topology_text's pipeline with two ingress replicas, the API on ``base`` and ``base + 1``
-    (the control ports that were there move up, out of their way)."""
-    text = topology_text(base, **settings)
-    text = text.replace(f"[control]\nport = {base + 1}\n", f"[control]\nport = {base + 11}\n")
-    return text.replace(f"[stages.ingress]\nport = {base + 3}\n", f"[stages.ingress]\nreplicas = 2\nport = {base + 13}\n")
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +45,10 @@ def server(tmp_path_factory, model_dir):
 
     kv = KvLayout.from_config(AutoConfig.from_pretrained(model_dir))
     pool_bytes = POOL_BLOCKS * 2 * kv.num_layers * kv.block_bytes(64)
-    topology = lambda base: two_front_doors(base, kv={"decode_pool_bytes": pool_bytes},  # noqa: E731
-                                            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    topology = lambda base: front_doors_topology(base, 2, kv={"decode_pool_bytes": pool_bytes},  # noqa: E731
+                                                 heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     with PdflowServer(tmp_path_factory.mktemp("pdflow-failures"), log_format="json", topology=topology,
-                      ports=PORTS) as running:
+                      ports=FRONT_DOOR_PORTS) as running:
         yield running
 
 

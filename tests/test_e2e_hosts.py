@@ -9,9 +9,11 @@ parked when quiet. Host locality (router.locality) keeps each request's prefill 
 host, so its KV crosses the network once, store -> decode (the byte counts say so). It answers what
 the engine answers in-process; a decode process killed on its host is restarted by that host's
 launcher; a whole host going away is a dead replica to the others (its requests go to the other
-decode) until it comes back. KV goes into kv-shuttle over tcp and into decode over ucx (tcp where
-ucxx is not installed), so that both meet peers that die or vanish. Skipped with the reason where
-namespaces cannot be made (not root, no iproute2).
+decode) until it comes back. KV goes into kv-shuttle over shm from the prefill beside it (which
+computes it in the store's blocks), into decode over ucx (tcp where ucxx is not installed), and
+decode's answers back into the store over that same network transport, so that the store
+receives over two transports and both meet peers that die or vanish. Skipped with the reason
+where namespaces cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ cooldown_s = 1
 """
 
 
-# KV into kv-shuttle over tcp, into decode over ucx (over its tcp between namespaces: UCX's
-# shared memory cannot wake a peer in another one), where ucxx is installed
+# KV into kv-shuttle over shm (the store beside prefill), into decode over ucx (over its tcp between
+# namespaces: UCX's shared memory cannot wake a peer in another one), where ucxx is installed
 INTO_DECODE = "ucx" if transports.availability("ucx") is None else "tcp"
 
 
@@ -62,7 +64,7 @@ def cluster(tmp_path_factory):
     with Namespaces(HOSTS, bandwidth="10gbit") as net:
         running = Cluster(net, tmp_path_factory.mktemp("hosts"),
                           lambda secret: hosts_topology(net, secret, PLACEMENT, heartbeat_timeout_s=4,
-                                                        transports=("tcp", INTO_DECODE), min_replicas={"prefill": 1},
+                                                        transports=("shm", INTO_DECODE), min_replicas={"prefill": 1},
                                                         extra=SCALER))
         for host in HOSTS:
             running.start(host)
@@ -97,13 +99,18 @@ def test_stages_on_five_hosts_answer_as_the_engine_does_over_their_addresses(clu
 
 
 def test_the_kv_crosses_the_network_once_from_the_store_beside_prefill(cluster):
-    ask(cluster)
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.completions.create(model="smollm2", prompt="Count on and on: one, two, three,", temperature=0,
+                                      max_tokens=140, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 140  # past two blocks of 64: decode writes its answer's back
     time.sleep(1.2)  # a heartbeat after the answers
     stats = {name: info.get("stats", {}) for name, info in cluster.health()[1]["stages"].items()}
     prefill, store = stats["prefill-0"], stats["kv-shuttle-0"]
-    # prefill wrote into the store on its own host: none of it crossed; the store's writes to decode did
-    assert prefill["kv_sent_bytes@kv-shuttle"] > 0 and prefill["kv_network_bytes@kv-shuttle"] == 0
+    # prefill computed into the store beside it (shm, in place): none of it crossed; the store's
+    # writes to decode did, and decode's answers came back over the network into the same blocks
+    assert prefill["kv_in_place_bytes"] > 0 and prefill["kv_network_bytes@kv-shuttle"] == 0
     assert store["kv_network_bytes@decode"] == store["kv_sent_bytes@decode"] > 0
+    assert stats["decode-0"]["kv_network_bytes@kv-shuttle"] == stats["decode-0"]["kv_sent_bytes@kv-shuttle"] > 0
     # and /metrics says the same, per link
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -136,3 +136,46 @@ def test_validate_says_which_links_cross_hosts(tmp_path, capsys) -> None:
     assert main(["validate", str(path)]) == 0
     assert "link prefill -> kv_shuttle: tcp\n    crosses hosts: p1 -> p2, p2 -> p1 (and stays on one host where both run)" \
         in capsys.readouterr().out
+
+
+SHM_INTO_STORE = ['[[links]]', 'src = "prefill"', 'dst = "kv_shuttle"', 'transport = "shm"']
+
+
+def test_a_store_beside_each_prefill_takes_its_kv_over_shm_and_decode_s_answers_over_the_network() -> None:
+    pipeline = parse(*HOSTS, *SPREAD, *SHM_INTO_STORE)
+    links = {(link.src, link.dst): link.transport for link in pipeline.links}
+    assert links == {("prefill", "kv_shuttle"): "shm", ("kv_shuttle", "prefill"): "shm",
+                     ("kv_shuttle", "decode"): "tcp", ("decode", "kv_shuttle"): "tcp"}
+    ingress = ingress_of(pipeline)
+    assert [p.strict for p in ingress.pairings] == [True]
+    ingress.down.add(("prefill", 0))  # p1's store has no prefill up: over shm nothing else can write it
+    assert {hosts_of(pipeline, ingress._route(f"r{i}", [1])) for i in range(6)} == {("p2", "p2")}
+    ingress.down.add(("kv_shuttle", 1))  # nor can a prefill on p2 write p1's store
+    with pytest.raises(ApiError) as caught:
+        ingress._route("none", [1])
+    assert caught.value.status == 503
+
+
+@pytest.mark.parametrize("lines, fragment", [
+    (['[stages.prefill]', 'replicas = 2', 'on = ["p1", "p2"]', '[stages.kv_shuttle]', 'on = "p1"',
+      '[stages.decode]', 'on = "d1"'], "shares memory on one machine"),  # p2's prefill has no store beside it
+    ([*SPREAD, '[router]', 'locality = "none"'], "shares memory on one machine"),  # nothing pairs them
+])
+def test_shm_across_hosts_needs_a_store_beside_every_prefill_and_locality(lines, fragment) -> None:
+    with pytest.raises(TopologyError) as caught:
+        parse(*HOSTS, *lines, *SHM_INTO_STORE)
+    assert caught.value.key == "links[0].transport" and fragment in caught.value.message
+    assert "run a kv_shuttle beside each prefill host" in caught.value.message
+
+
+def test_a_stage_receives_over_shm_beside_one_network_transport_and_no_more() -> None:
+    one_host = parse(*SHM_INTO_STORE)
+    assert {(link.src, link.dst): link.transport for link in one_host.links}[("decode", "kv_shuttle")] == "tcp"
+    from pdflow import transports
+
+    if transports.availability("ucx") is not None:
+        pytest.skip(transports.availability("ucx"))
+    with pytest.raises(TopologyError) as caught:  # two network transports cannot share the data port
+        parse('[[links]]', 'src = "prefill"', 'dst = "kv_shuttle"', 'transport = "tcp"',
+              '[[links]]', 'src = "decode"', 'dst = "kv_shuttle"', 'transport = "ucx"')
+    assert "receives KV on one data port" in caught.value.message

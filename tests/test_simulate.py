@@ -107,6 +107,32 @@ def test_transfers_share_a_replica_s_link_and_not_another_s(profile):
     assert a.first_token_s == pytest.approx(b.first_token_s)  # each prefill sends its own at its end
 
 
+def test_a_central_store_carries_every_byte_twice_and_a_store_beside_prefill_once(profile):
+    """Two prompts at once on two prefill hosts into two decode hosts (no prefix: 200 KB of KV
+    each, 1.6 s a link at 125 KB/s). Through one central store host, the store's NIC carries both
+    in and both out: the second waits for the first there, and twice the KV crosses the network
+    (cut-through, the first is in as soon as it would be over one link). With a store beside each
+    prefill, each request's KV leaves its prefill host once and the two move side by side."""
+    profile = Profile.from_dict({**PROFILE, "link": {"gbit_per_s": 0.001, "latency_s": 0.0}})
+    a, b = request(0, 0.0), request(1, 0.0)
+    outcome = simulate([a, b], profile, Deployment(prefill=2, decode=2, stores=1, block_tokens=100,
+                                                   placement="central"))
+    net = outcome.metrics["network"]
+    assert net["kv_crossings"] == pytest.approx(2.0) and net["prompt_kv_bytes"] == 400_000
+    assert net["busiest_nic"]["store"] > net["busiest_nic"]["prefill"]
+    central = sorted([a.kv_in_s, b.kv_in_s])
+    assert central[1] - central[0] == pytest.approx(1.6)  # one after the other through the store's NIC
+    for placement in ("beside", "direct"):
+        outcome = simulate([a, b], profile, Deployment(prefill=2, decode=2, block_tokens=100, placement=placement))
+        assert outcome.metrics["network"]["kv_crossings"] == pytest.approx(1.0)
+        assert a.kv_in_s == pytest.approx(b.kv_in_s) == pytest.approx(central[0])
+        assert [r.route[0] for r in (a, b)] == [r.route[1] for r in (a, b)]  # each prefill writes the store beside it
+    with pytest.raises(ValueError, match="stores must equal prefill replicas"):
+        simulate([a], profile, Deployment(prefill=2, stores=1, placement="beside"))
+    with pytest.raises(ValueError, match="placement must be one of central, beside, direct"):
+        simulate([a], profile, Deployment(placement="rack"))
+
+
 def test_a_prefix_in_the_store_is_read_and_only_the_rest_computed(profile):
     """The store sends the prefix to prefill (over the profile's slow link here: 500 KB at 125 KB/s
     is 4 s), which computes each layer once its part of the prefix is in: the last layer's wait
@@ -254,6 +280,15 @@ def test_the_command_runs_a_trace_and_a_sweep(capsys, tmp_path):
     assert runs[1]["metrics"]["ttft_ms"]["p50"] <= runs[0]["metrics"]["ttft_ms"]["p50"]
     assert cli.main(["simulate", "--profile", str(path)]) == 2
     assert "--trace FILE or --synthetic N" in capsys.readouterr().err
+    assert cli.main(["simulate", "--profile", str(path), "--trace", str(EXCERPT), "--token-scale", "0.05",
+                     "--prefill", "2", "--placement", "central", "--stores", "1", "--nic-gbit", "0.01",
+                     "--json", str(out)]) == 0
+    assert "network (central):" in capsys.readouterr().out
+    network = json.loads(out.read_text())["runs"][0]["metrics"]["network"]
+    assert network["placement"] == "central" and 1.5 < network["kv_crossings"] <= 2.0 + 1e-9  # (one-token answers: to the store only)
+    assert cli.main(["simulate", "--profile", str(path), "--synthetic", "2", "--prefill", "2", "--stores", "1",
+                     "--placement", "beside"]) == 2
+    assert "stores must equal prefill replicas" in capsys.readouterr().err
 
 
 def test_the_shipped_profiles_load():

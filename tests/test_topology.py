@@ -397,7 +397,9 @@ def test_kv_table_and_the_return_links_follow_the_prompt_link() -> None:
               "[[links]]", 'src = "prefill"', 'dst = "kv_shuttle"', 'transport = "shm"')
     assert (t.kv.prefix_cache, t.kv.block_tokens, t.kv.store_bytes) == (False, 16, 512 << 20)
     assert (t.kv.high_watermark, t.kv.low_watermark) == (0.95, 0.85)
-    assert t.link("decode", "kv_shuttle").transport == "shm"  # kv_shuttle receives over one transport
+    # decode's answers come back over the link that reaches decode (tcp), the prefixes over shm:
+    # kv_shuttle receives over shm beside tcp
+    assert t.link("decode", "kv_shuttle").transport == "tcp"
     assert t.link("kv_shuttle", "prefill").transport == "shm"
     assert t.link("kv_shuttle", "decode").transport == "tcp"
     assert parse("[kv]", "store_bytes = 1048576").kv.store_bytes == 1 << 20

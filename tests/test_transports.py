@@ -115,6 +115,10 @@ def test_the_host_an_address_names_and_those_that_never_leave_the_machine() -> N
     assert transports.address_host("ucx://[fd00::2]:5640") == "fd00::2"
     assert transports.address_host("verbs://10.0.0.3:5640/7") == "10.0.0.3"
     assert transports.address_host("shm://@10.0.0.2:5630") is None
+    from pdflow.transports.base import with_host
+
+    assert with_host("tcp://0.0.0.0:5630", "10.0.0.2") == "tcp://10.0.0.2:5630"
+    assert with_host("shm://@0.0.0.0:5630", "10.0.0.2") == "shm://@0.0.0.0:5630"  # a socket's name: as it is
     assert transports.address_host("inproc://127.0.0.1:1") is None
     assert transports.address_host("junk") is None
     assert transports.shares_memory("shm") and not transports.shares_memory("tcp")

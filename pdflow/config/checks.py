@@ -103,7 +103,7 @@ def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:
 
 def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
     seen: set[tuple[str, str]] = set()
-    receiving: dict[str, tuple[int, str]] = {}  # stage -> (first link into it, its transport)
+    receiving: dict[str, dict[str, int]] = {}  # stage -> {transport: the first link into it over it}
     for i, link in enumerate(pipeline.links):
         key = f"links[{i}]"
         for end in (link.src, link.dst):
@@ -119,11 +119,14 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
         if (link.src, link.dst) in seen:
             raise PipelineError(key, f"link {link.src} -> {link.dst} is defined twice")
         seen.add((link.src, link.dst))
-        first, transport = receiving.setdefault(link.dst, (i, link.transport))
-        if transport != link.transport:
+        into = receiving.setdefault(link.dst, {})
+        into.setdefault(link.transport, i)
+        if len(into) > 1 and not _oneshares_memory(list(into)):
+            first, transport = next((at, name) for name, at in into.items() if name != link.transport)
             raise PipelineError(f"{key}.transport", f"{link.dst} receives KV on one data port, over {transport!r} "
                                 f"(links[{first}]); link {link.src} -> {link.dst} must use it too, not "
-                                f"{link.transport!r}")
+                                f"{link.transport!r} (a stage may also receive over shm beside one network "
+                                "transport: shm for stages on its host, the other for the rest)")
         if problem := transport_problem(link.transport, cross_process):
             raise PipelineError(f"{key}.transport", f"transport {link.transport!r} is not available: {problem}")
         from pdflow.transports.shaping import check_link_options
@@ -131,6 +134,33 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
         if problem := check_link_options(dict(link.options)):
             raise PipelineError(f"{key}.options", problem)
         _check_codec(pipeline, link, key)
+
+
+def _oneshares_memory(names: list[str]) -> bool:
+    """Two transports, exactly one of which moves KV through shared memory (so they can share a
+    data port: shm's socket is a Unix one)."""
+    return len(names) == 2 and sum(shares_memory(name) for name in names) == 1
+
+
+def shares_memory(name: str) -> bool:
+    """Whether transport ``name`` (usable here) moves KV through memory one machine shares."""
+    transports = plugins.transports
+    return transports.availability(name) is None and bool(transports.load(name).shares_memory)
+
+
+def _paired_on_every_host(pipeline: Pipeline, link) -> bool:
+    """Is ``link`` one between a stage that computes prompts' KV and the store it writes into,
+    which ingress keeps on one host (router.locality), with a replica of each on the same hosts?"""
+    kinds = plugins.stage_kinds
+    if pipeline.router.locality != "host":
+        return False
+    classes = {end: kinds.load(pipeline.stages[end].kind_name) for end in (link.src, link.dst)}
+    producer = next((end for end, cls in classes.items() if getattr(cls, "computes_kv", False)), None)
+    store = next((end for end, cls in classes.items() if getattr(cls, "holds_kv", False)), None)
+    if producer is None or store is None or producer == store:
+        return False
+    hosts = [{pipeline.host_name_of(end, r) for r in range(pipeline.stages[end].replicas)} for end in (producer, store)]
+    return hosts[0] == hosts[1]
 
 
 def _check_hosts(pipeline: Pipeline) -> None:
@@ -162,16 +192,16 @@ def _check_hosts(pipeline: Pipeline) -> None:
         raise PipelineError("security", "the pipeline spans several hosts, whose launchers must share one secret: "
                             'set secret_file = "pipeline.key" (from `pdflow keys new pipeline.key`, copied to every '
                             'host) or secret_env = "NAME" in [security]')
-    transports = plugins.transports
     for i, link in enumerate(pipeline.links):
-        if transports.availability(link.transport) is not None or not transports.load(link.transport).shares_memory:
-            continue
+        if not shares_memory(link.transport) or _paired_on_every_host(pipeline, link):
+            continue  # (a store beside each prefill host: ingress pairs the two, the link stays on each host)
         ends = {pipeline.host_name_of(stage, r) for stage in (link.src, link.dst)
                 for r in range(pipeline.stages[stage].replicas)}
         if len(ends) > 1:
             raise PipelineError(f"links[{i}].transport", f"transport {link.transport!r} shares memory on one "
                                 f"machine, but {link.src} and {link.dst} run on hosts {', '.join(sorted(ends))}; "
-                                "use tcp (or ucx, verbs) between hosts")
+                                "use tcp (or ucx, verbs) between hosts, or run a kv_shuttle beside each prefill "
+                                "host (on the same hosts as prefill), which ingress pairs")
 
 
 def _check_direct(pipeline: Pipeline) -> None:
@@ -185,8 +215,7 @@ def _check_direct(pipeline: Pipeline) -> None:
     if _made_codec(link.make_codec, "links").structural:
         raise PipelineError("kv.direct", f"the link into decode drops KV ({link.codec}), which only the store "
                             "knows how to lay out in decode's pool; remove direct or that codec")
-    if pipeline.multi_host and plugins.transports.availability(link.transport) is None and \
-            plugins.transports.load(link.transport).shares_memory:
+    if pipeline.multi_host and shares_memory(link.transport):
         raise PipelineError("kv.direct", f"prefill writes into decode's pool over the link into decode, and "
                             f"{link.transport!r} does not cross hosts; use tcp (or ucx, verbs) there")
 

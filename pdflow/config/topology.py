@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from pdflow.config.checks import check_pipeline, known_models
+from pdflow.config.checks import check_pipeline, known_models, shares_memory
 from pdflow.transports.shaping import parse_size
 from pdflow.config.pipeline import (
     DEFAULT_DATA_PORTS,
@@ -508,7 +508,9 @@ def _links(r: TableReader, value: Any, mode: str, topology_path: Path) -> tuple[
     """The [[links]] tables. In the disaggregated mode a built-in pair not written is tcp, except
     the return links (kv_shuttle -> prefill, decode -> kv_shuttle): they default to the link
     prefill -> kv_shuttle (transport, options and codec), so one setting moves all KV (and
-    kv_shuttle receives over one transport)."""
+    kv_shuttle receives over one transport). One exception: where prefill -> kv_shuttle shares
+    memory (shm: a store beside each prefill host) and kv_shuttle -> decode does not, decode's
+    answers come back over the transport (and options) of kv_shuttle -> decode, which reaches it."""
     if not isinstance(value, list):
         raise r.error("links", f"expected an array of tables ([[links]]), got {describe(value)}")
     found: dict[tuple[str, str], LinkConfig] = {}
@@ -532,10 +534,16 @@ def _links(r: TableReader, value: Any, mode: str, topology_path: Path) -> tuple[
     if mode == "disaggregated":
         for pair in LINK_PAIRS:
             model = found.get(("prefill", "kv_shuttle")) if pair in _RETURN_LINKS else None
+            carrier = model
+            into_decode = found.get(("kv_shuttle", "decode"))
+            if pair == ("decode", "kv_shuttle") and model is not None and shares_memory(model.transport) and \
+                    not shares_memory(into_decode.transport if into_decode else "tcp"):
+                carrier = into_decode or LinkConfig("kv_shuttle", "decode")
             found.setdefault(pair, LinkConfig(*pair) if model is None else
-                             LinkConfig(*pair, transport=model.transport, options=model.options,
+                             LinkConfig(*pair, transport=carrier.transport, options=carrier.options,
                                         codec=model.codec, codec_options=model.codec_options))
     return tuple(found.values())
+
 
 
 _RETURN_LINKS = (("kv_shuttle", "prefill"), ("decode", "kv_shuttle"))

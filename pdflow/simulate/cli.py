@@ -6,6 +6,7 @@ routers and scaler, reported as ``pdflow bench serve`` reports a real run.
     pdflow simulate --profile my-machine.json --synthetic 500 --rate 2 --input 1024 --output 64 --prefill 1 --decode 1
     pdflow simulate ... --sweep 2:6 4:4 6:2        (P:D splits of the same replicas, side by side)
     pdflow simulate ... --mode colocated --workers 8 [--chunked-prefill-tokens 512]   (the baseline)
+    pdflow simulate ... --placement central --stores 4 --nic-gbit 400   (where the KV crosses the network)
 
 Traces are Mooncake's (github.com/kvcache-ai/Mooncake, FAST25-release/traces/, Apache License 2.0):
     curl -LO https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces/conversation_trace.jsonl
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from pdflow.bench import traces
+from pdflow.simulate.network import PLACEMENTS
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -48,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dep.add_argument("--block-tokens", type=int, default=None,
                      help="tokens per block (default: the trace's 512 x --token-scale; 64 synthetic)")
     dep.add_argument("--kv-streaming", choices=("layer", "request"), default="layer")
+    dep.add_argument("--placement", choices=PLACEMENTS, default=None,
+                     help="where the stores run, with a NIC per host: central (hosts of their own: the KV crosses "
+                          "twice), beside (one per prefill host: once), direct (kv.direct: once); default: only "
+                          "prefill's and decode's links are modelled")
+    dep.add_argument("--nic-gbit", type=float, default=None, metavar="GBIT",
+                     help="each host's NIC, each way, with --placement (default: the profile's link)")
     dep.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
                      help="colocated: --workers replicas of pdflow's worker stage (prefill and decode in one) instead")
     dep.add_argument("--workers", type=int, default=1, help="colocated: worker replicas (default 1)")
@@ -130,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             deployment = Deployment(p, max(d, 1), args.stores, args.store_blocks, block, args.kv_streaming,
                                     args.min_prefill, args.min_decode, args.mode, args.workers,
-                                    args.chunked_prefill_tokens)
+                                    args.chunked_prefill_tokens, args.placement, args.nic_gbit)
         except ValueError as exc:
             sys.stderr.write(f"error: {exc}\n")
             return 2
@@ -145,6 +153,8 @@ def main(args: argparse.Namespace) -> int:
         shape = f"{p} workers (colocated)" if args.mode == "colocated" else f"{p}P:{d}D"
         label = f"{shape}, {args.router}, {profile.name}"
         sys.stdout.write(table(label, outcome.metrics, "pdflow simulate"))
+        if "network" in outcome.metrics:
+            sys.stdout.write(_network_lines(outcome.metrics["network"]))
         sys.stdout.write(f"simulated {len(requests):,} requests on {p + d} replicas in {took:.1f} s\n")
         runs.append({"label": shape, "prefill": p, "decode": d, "router": args.router, "seconds": took,
                      "metrics": outcome.metrics,
@@ -158,6 +168,14 @@ def main(args: argparse.Namespace) -> int:
     if args.plot_dir:
         _plots(runs, args.plot_dir)
     return 0
+
+
+def _network_lines(net: dict) -> str:
+    busy = net["busiest_nic"]
+    return (f"network ({net['placement']}): {net['kv_network_bytes'] / 1e9:,.1f} GB of KV crossed it, "
+            f"{net['kv_crossings']:.2f}x the prompts' KV; busiest NIC (one way, over the run): prefill host "
+            f"{busy['prefill']:.0%}, decode host {busy['decode']:.0%}"
+            + (f", store host {busy['store']:.0%}" if net["placement"] == "central" else "") + "\n")
 
 
 def _sweep_table(runs: list[dict]) -> str:

@@ -25,6 +25,8 @@ What is modelled, and how:
   each decode replica's all of a request's KV (the store sends the cached prefix), one transfer
   at a time (first come first served), so transfers that the links cannot keep up with queue.
   (The stores' own links, and the prefix's trip from the store to prefill, are not shared.)
+  With a ``placement`` the links are the hosts' NICs instead, the stores central or beside each
+  prefill host (which ingress then routes a request to together): :mod:`pdflow.simulate.network`.
 - **The first token** goes out when prefill ends (prefill samples it and sends it, as pdflow's
   prefill stage does); a request of one token is done then and never reaches decode.
 - **Decode** replicas run continuous batching up to ``max_batch``: a request joins at a step
@@ -70,6 +72,7 @@ from dataclasses import dataclass
 
 from pdflow.plan.transfer import bytes_per_s
 from pdflow.routing import ReplicaStatus, Router, RoutingRequest
+from pdflow.simulate.network import Network
 from pdflow.simulate.profile import Profile
 from pdflow.simulate.workload import SimRequest, TracePrompt
 
@@ -91,6 +94,10 @@ class Deployment:
     mode: str = "disaggregated"  # or "colocated": ``workers`` worker replicas instead of P and D
     workers: int = 1
     chunked_prefill_tokens: int = 0  # colocated: at most this many prompt tokens per iteration (0: whole)
+    # where the stores run, with a NIC per host (pdflow.simulate.network): "central", "beside",
+    # "direct"; None: the links of prefill and decode replicas only (the stores' not modelled)
+    placement: str | None = None
+    nic_gbit_per_s: float | None = None  # each host's NIC, each way (None: the profile's link)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -102,6 +109,8 @@ class Deployment:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.mode == "colocated" and (self.min_prefill is not None or self.min_decode is not None):
             raise ValueError("the scaler starts and stops prefill and decode replicas: not with mode = 'colocated'")
+        if self.placement is not None and self.mode == "colocated":
+            raise ValueError("a placement of stores is a disaggregated deployment's: not with mode = 'colocated'")
 
 
 class _Store:
@@ -231,6 +240,9 @@ class Cluster:
         self.replica_log: list[tuple[float, int, int]] = []  # (time, prefill running, decode running)
         self._fetch_rate = bytes_per_s(profile.fetch_gbit_per_s)
         self._link_rate = bytes_per_s(profile.link_gbit_per_s)
+        self.network = None if d.placement is None or colocated else Network(
+            d.placement, d.prefill, d.decode, len(self.stores), bytes_per_s(d.nic_gbit_per_s or profile.link_gbit_per_s),
+            profile.link_latency_s)
 
     # --- the event loop ---------------------------------------------------------------------
 
@@ -272,10 +284,14 @@ class Cluster:
         if self.workers:
             self._arrive_colocated(request, prompt)
             return
-        p = self.router.route("prefill", prompt, self._statuses(self.prefills))
         d = self.router.route("decode", prompt, self._statuses(self.decodes))
         stores = self._holdings(request, self.store_load)
-        s = self.router.route("kv_shuttle", prompt, stores)
+        if self.network is not None and self.network.paired:  # the store first, then the prefill beside it
+            stores = [st for st in stores if self.prefills[st.replica].routable(self.now)]
+            s = p = self.router.route("kv_shuttle", prompt, stores)
+        else:
+            p = self.router.route("prefill", prompt, self._statuses(self.prefills))
+            s = self.router.route("kv_shuttle", prompt, stores)
         holder = self.router.fetch_from("kv_shuttle", prompt, s, stores)
         request.route = (p, s, d)
         store = self.stores[s]
@@ -287,6 +303,8 @@ class Cluster:
             self.stores[holder].touch(request.hash_ids[own:own + fetched])
         store.touch(request.hash_ids[:own])
         request.cached_tokens, request.fetched_tokens = (own + fetched) * block, fetched * block
+        if fetched and self.network is not None:
+            self.network.fetched(holder, s, fetched * block * self.profile.kv_bytes_per_token)
         store.expect(request.hash_ids, 1)
         self.store_load[s] += 1
         self.prefills[p].assigned += 1
@@ -298,7 +316,11 @@ class Cluster:
 
     def _enqueue(self, request: SimRequest) -> None:
         replica = self.prefills[request.route[0]]
-        if request.cached_tokens:  # the store sends the prefix now; it lands while the request waits
+        if request.cached_tokens and self.network is not None:  # from a store host, or the one beside it
+            hops = self.network.prefix_hops(replica.number, request.route[1],
+                                            request.cached_tokens * self.profile.kv_bytes_per_token)
+            request.prefix_in_s = self.network.stream(hops, self.now, self.now) if hops else self.now
+        elif request.cached_tokens:  # the store sends the prefix now; it lands while the request waits
             request.prefix_in_s = self.now + self.profile.link_latency_s + self._link_s(request.cached_tokens)
         replica.queue.append(request)
         if not replica.busy:
@@ -349,6 +371,8 @@ class Cluster:
         with it (or once decode's link is free) and ends no sooner than it. Without ``decode``
         (a request done at prefill) only prefill's link carries it, and the tail is its send."""
         layers = self.profile.layers
+        if self.network is not None:
+            return self._kv_tail_on_network(prefill, decode, request, seconds)
         computed, every = self._link_s(request.input_len - request.cached_tokens), self._link_s(request.input_len)
         if self.deploy.kv_streaming == "layer":
             start = max(self.now - seconds + seconds / layers, prefill.link_free_s)
@@ -362,6 +386,22 @@ class Cluster:
         received = max(sent, max(start, decode.link_free_s) + every)
         decode.link_free_s = received
         return received + self.profile.link_latency_s - self.now
+
+    def _kv_tail_on_network(self, prefill: _Prefill, decode: _Decode | None, request: SimRequest,
+                            seconds: float) -> float:
+        """As :meth:`_kv_tail`, over the hosts' NICs of the deployment's placement."""
+        per_token = self.profile.kv_bytes_per_token
+        hops = self.network.kv_hops(prefill.number, request.route[1], None if decode is None else decode.number,
+                                    (request.input_len - request.cached_tokens) * per_token,
+                                    request.input_len * per_token)
+        if not hops:  # its KV stays on prefill's host
+            return 0.0
+        if self.deploy.kv_streaming == "layer":
+            first, layers = hops[0], self.profile.layers
+            start, floor = self.now - seconds + seconds / layers, self.now + first[2] / first[0].rate / layers
+        else:
+            start = floor = self.now
+        return self.network.stream(hops, start, floor) - self.now
 
     # --- decode -----------------------------------------------------------------------------
 

@@ -61,6 +61,8 @@ def simulate(requests: list[SimRequest], profile: Profile, deployment: Deploymen
     done = [r.done_s for r in requests if r.done_s is not None]
     duration = (max(done) - min(r.arrival_s for r in requests)) if done else 0.0
     metrics = summarize(records, duration, slo_ttft_ms, slo_tbt_ms, deployment.block_tokens)
+    if cluster.network is not None:
+        metrics["network"] = cluster.network.stats(duration)
     return Outcome(metrics, records, cluster.replica_log, cluster)
 
 

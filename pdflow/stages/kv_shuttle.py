@@ -216,9 +216,21 @@ class KvShuttleStage(PeerFetch, Stage):
         self.setup_peer_fetch()
         await self.inbound.start()
         self.address = self.inbound.address_for(ARENA)
+        # answers (and other stores' blocks) may come over another transport than prefill's KV:
+        # a store beside prefill takes prefill's over shm and decode's over the network
+        self.answers_in, self.answers_address = None, self.address
+        into_store = {self.pipeline.link(self.output(out), self.ctx.stage).transport for out in ("destination", "kv")}
+        if len(into_store) > 1:
+            self.answers_in = self.kv_receiver("kv")
+            self.answers_in.register(ARENA, memory)
+            if codec is not None:
+                self.answers_in.keep(ARENA, codec, settings.block_tokens)
+            await self.answers_in.start()
+            self.answers_address = self.answers_in.address_for(ARENA)
+            self.spawn(self._notice_loop(self.answers_in), essential=True)
         self.to_decode = self.kv_sender("kv")
         self.to_prefill = self.kv_sender("destination")
-        self.spawn(self._notice_loop(), essential=True)
+        self.spawn(self._notice_loop(self.inbound), essential=True)
         self.spawn(self._expiry_loop(), essential=True)
         from pdflow.routing import registry as routers
 
@@ -254,6 +266,8 @@ class KvShuttleStage(PeerFetch, Stage):
                 self.log.warning("store.disk_drain_timeout", queued=self.tiers.stats().spill_queued)
             await asyncio.to_thread(self.tiers.disk.close)
         await self.inbound.aclose()
+        if self.answers_in is not None:
+            await self.answers_in.aclose()
         await self.to_decode.aclose()
         await self.to_prefill.aclose()
         await self.close_peer_fetch()
@@ -268,7 +282,8 @@ class KvShuttleStage(PeerFetch, Stage):
 
     def stats(self) -> dict[str, int]:
         stats = {**self.store.stats().as_dict(), **self.copy_stats(self.to_decode, self.to_prefill),
-                 **self.codec_stats(self.inbound, self.to_decode, self.to_prefill),
+                 **self.codec_stats(self.inbound, *([self.answers_in] if self.answers_in else []), self.to_decode,
+                                    self.to_prefill),
                  **self.sent_stats(kv=self.to_decode, destination=self.to_prefill), **self.peer_fetch_stats(),
                  "prefix_waits": self.computing.waits, "prefix_waits_given_up": self.computing.given_up,
                  **lease_kinds(self.store.lease_owners())}
@@ -520,8 +535,8 @@ class KvShuttleStage(PeerFetch, Stage):
             if rid in self.requests:
                 await self.fail(rid, f"KV transfer to decode failed: {exc!r}", transient=True)
 
-    async def _notice_loop(self) -> None:
-        async for notice in self.notices(self.inbound):
+    async def _notice_loop(self, inbound) -> None:
+        async for notice in self.notices(inbound):
             header = notice.header
             if self.fetched_chunk_landed(notice):  # a prefix from another store
                 continue
@@ -613,7 +628,7 @@ class KvShuttleStage(PeerFetch, Stage):
         if answer.new_slots:  # the next turn of this chat may arrive before they do: it waits for them
             entry.answer_writer = self.computing.add(0, answer.ids[answer.hit :], began=True,
                                                      patience_s=_ARRIVING_WAIT_S)
-        reply = KvReturnSlots(rid, self.address, ARENA, self.arena.num_slots, first * bt, answer.new_slots)
+        reply = KvReturnSlots(rid, self.answers_address, ARENA, self.arena.num_slots, first * bt, answer.new_slots)
         await self.send_output("kv", entry.route, reply)
         if not answer.new_slots:
             self._end(rid)

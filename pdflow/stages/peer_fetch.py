@@ -11,9 +11,11 @@ blocks not fetched are computed, and slots a late write could still reach are qu
 
 The holder leases what it has of them (a :attr:`~pdflow.kv.lease_owner.LeaseKind.SERVE` lease,
 checksums verified) while it writes them slot to slot into the asker's arena, over the transport
-of the link into kv-shuttle's arena (blocks travel as the store holds them, encoded or not).
+of the link from decode into kv-shuttle's arena, which crosses hosts (blocks travel as the store
+holds them, encoded or not).
 
-The stage provides its ``store``, ``arena`` (registered as ``arena_region`` at ``address``),
+The stage provides its ``store``, ``arena`` (registered as ``arena_region`` at
+``answers_address``, where decode's answers land too),
 ``memory`` (the arena's bytes), ``kv``, ``hasher``, ``reuse``, ``_blocks_of`` and the
 :class:`~pdflow.runtime.stage.Stage` API, and calls :meth:`PeerFetch.setup_peer_fetch` in its setup.
 """
@@ -105,7 +107,7 @@ class PeerFetch:
         try:
             await self.bus.send(self.ctx.stage, peer, KvFetch(
                 fetch_id, self.ctx.stage, self.replica, request.prompt_ids[: usable * bt], lease.hit,
-                self.address, self.arena_region, self.arena.num_slots, lease.slots[lease.hit : usable]))
+                self.answers_address, self.arena_region, self.arena.num_slots, lease.slots[lease.hit : usable]))
             blocks = await asyncio.wait_for(asyncio.shield(fetch.done), _fetch_timeout_s(wanted * self.arena.block_bytes))
         except asyncio.TimeoutError:
             fetch.failed = True
@@ -200,8 +202,9 @@ class PeerFetch:
 
     def _peer_sender(self):
         """A data-plane transport into other replicas' arenas: the transport (and options) of the
-        link their arenas receive on, without a codec (blocks travel as the store holds them)."""
-        link = self.pipeline.link(self.output("destination"), self.ctx.stage)
+        link their arenas receive decode's answers on (the one that crosses hosts, where prefill's
+        is shm), without a codec (blocks travel as the store holds them)."""
+        link = self.pipeline.link(self.output("kv"), self.ctx.stage)
         transport = transports.create(link.transport, host=self.config.bind_host_of(self.replica), **link.options)
         transport.authenticate(self.data_key)
         return transport

@@ -140,6 +140,21 @@ codec_options = {_inline(decode_codec_options)}
 """
 
 
+def front_doors_topology(base: int, doors: int = 2, **settings) -> str:
+    """:func:`topology_text`'s pipeline (``settings``) with ``doors`` ingress replicas, the API on
+    ``base`` .. ``base + doors - 1`` (the control ports that were there move past the rest, out of
+    their way): on :data:`FRONT_DOOR_PORTS` ports from ``base``, for up to 2 doors."""
+    if not 1 <= doors <= 2:
+        raise ValueError("up to 2 front doors fit these ports")
+    text = topology_text(base, **settings)
+    text = text.replace(f"[control]\nport = {base + 1}\n", f"[control]\nport = {base + 11}\n")
+    return text.replace(f"[stages.ingress]\nport = {base + 3}\n",
+                        f"[stages.ingress]\nreplicas = {doors}\nport = {base + 13}\n")
+
+
+FRONT_DOOR_PORTS = 16  # topology_text's 11, then control (2) and ingress's control ports (2) past them
+
+
 PD_STAGES = ("prefill", "kv_shuttle", "decode")
 _CORES = {"prefill": "[0]", "decode": "[1]"}  # as the default topology pins them
 

@@ -346,10 +346,13 @@ class Transport(ABC):
 
 
 def with_host(address: str, host: str) -> str:
-    """``scheme://old:port`` as ``scheme://host:port`` (IPv6 in brackets); other addresses as they are."""
+    """``scheme://old:port`` as ``scheme://host:port`` (IPv6 in brackets); other addresses as they
+    are (an abstract socket's, ``shm://@name``, even where its name reads ``host:port``)."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(address)
+    if parts.netloc.startswith("@"):
+        return address
     try:
         port = parts.port
     except ValueError:
