@@ -9,8 +9,9 @@ configuration's rate, the hosts joined by veth pairs and a bridge:
 - one-host: every stage on one host (its loopback);
 - central: ingress, prefill, kv-shuttle and decode on four hosts: the KV crosses two links,
   prefill -> kv-shuttle -> decode (the shape before host locality);
-- beside: the store beside prefill on one host, decode on another (three hosts): prefill writes
-  over loopback, the KV crosses one link, store -> decode (the default multi-host shape);
+- beside: the store beside prefill on one host, decode on another (three hosts): prefill computes
+  into the store's blocks over the host's shm link, the KV crosses one link, store -> decode, and
+  decode's answers come back over it (the default multi-host shape, topologies/multi-host.toml);
 - direct: beside, with kv.direct: prefill writes into decode's pool itself, and into the store
   behind it.
 
@@ -18,8 +19,9 @@ Measured per configuration:
 
 1. link: what one TCP stream gets between two of its hosts (prefill's and decode's; on one host,
    its loopback): 256 MiB through a socket, as fast as Python sends it;
-2. kv-tail: one --kv-tokens-token prompt: prefill, the whole KV transfer, and the KV tail (prefill's
-   last layer computed -> decode holds all KV), from the request's timeline;
+2. kv-tail: --kv-repeats different --kv-tokens-token prompts: prefill, the whole KV transfer, and
+   the KV tail (prefill's last layer computed -> decode holds all KV), from each request's
+   timeline, the median of them (and every tail, in the JSON);
 3. serve: `pdflow bench serve`, random prompts of --input-range tokens, 32-64 generated, at --rate:
    TTFT and TBT p50/p99, goodput; and each host configuration's figures over one-host's;
 4. bytes: over the serve run, the KV the requests move (their prompts' KV, their tokens x the
@@ -40,6 +42,7 @@ Everything it prints goes to <out>/summary.md too; raw results to <out>/*.json.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -95,12 +98,13 @@ def link_throughput(net: Namespaces, sender: str, receiver: str, mib: int = 256)
         proc.wait(10)
 
 
-# stage -> host, per shape; and the shape's extra topology tables
+# stage -> host, per shape; the transports into the store and into decode; the shape's extra tables
+BESIDE = {"ingress": "head", "prefill": "prefill", "kv_shuttle": "prefill", "decode": "decode"}
 SHAPES = {
-    "central": ({"ingress": "head", "prefill": "prefill", "kv_shuttle": "shuttle", "decode": "decode"}, ""),
-    "beside": ({"ingress": "head", "prefill": "prefill", "kv_shuttle": "prefill", "decode": "decode"}, ""),
-    "direct": ({"ingress": "head", "prefill": "prefill", "kv_shuttle": "prefill", "decode": "decode"},
-               "[kv]\ndirect = true\n"),
+    "central": ({"ingress": "head", "prefill": "prefill", "kv_shuttle": "shuttle", "decode": "decode"},
+                ("tcp", "tcp"), ""),
+    "beside": (BESIDE, ("shm", "tcp"), ""),
+    "direct": (BESIDE, ("shm", "tcp"), "[kv]\ndirect = true\n"),
 }
 
 
@@ -127,38 +131,42 @@ def kv_counts(cluster: Cluster) -> dict[str, int]:
 
 
 def run_configuration(opts, name: str, shape: str | None, bandwidth: str | None) -> dict:
-    placed, extra = SHAPES[shape] if shape else ({stage: "head" for stage in SHAPES["central"][0]}, "")
+    placed, links, extra = SHAPES[shape] if shape else ({stage: "head" for stage in BESIDE}, ("tcp", "tcp"), "")
     names = tuple(dict.fromkeys(placed.values()))
     placement = {stage: [host] for stage, host in placed.items()}
     out = opts.out
     with Namespaces(names, bandwidth=bandwidth) as net, tempfile.TemporaryDirectory() as tmp:
         gbit = link_throughput(net, "prefill", "decode") if shape else link_throughput(net, "head", "head")
-        cluster = Cluster(net, Path(tmp), lambda secret: hosts_topology(net, secret, placement,
-                                                                        request_timeout_s=900, extra=extra))
+        cluster = Cluster(net, Path(tmp), lambda secret: hosts_topology(net, secret, placement, request_timeout_s=900,
+                                                                        transports=links, extra=extra))
         for host in names:
             cluster.start(host)
         cluster.wait(lambda status, body: status == 200, f"{name}: every stage ready")
         one_prompt_timeline(cluster.url, 64)  # warm: the first request pays for first-use costs
-        timeline = one_prompt_timeline(cluster.url, opts.kv_tokens)
-        (out / f"timeline-{name}.json").write_text(json.dumps(timeline))
+        timelines = [one_prompt_timeline(cluster.url, opts.kv_tokens, variant) for variant in range(opts.kv_repeats)]
+        (out / f"timeline-{name}.json").write_text(json.dumps(timelines))
         argv = ["--dataset", "random", "--input-len-range", opts.input_range, "--output-len-range", "32:64",
                 "--num-prompts", str(opts.num_prompts), "--seed", "1", "--request-rate", str(opts.rate),
                 "--slo-ttft", str(opts.slo_ttft), "--slo-tbt", str(opts.slo_tbt)]
         time.sleep(1.5)  # a heartbeat after the timeline's requests
-        wire_before, kv_before = tx_bytes(net, names), kv_counts(cluster)
+        wire_before, before = tx_bytes(net, names), kv_counts(cluster)
         metrics = bench(cluster.url, out / f"serve-{name}.json", argv)["runs"][0]["metrics"]
         time.sleep(1.5)  # a heartbeat after the last request
-        wire, kv = tx_bytes(net, names) - wire_before, kv_counts(cluster)
+        wire, counts = tx_bytes(net, names) - wire_before, kv_counts(cluster)
     prompt_kv = metrics["input_tokens"] * opts.token_kv_bytes
-    return {"link_gbit": gbit, "kv": kv_summary(timeline), "serve": metrics,
-            "bytes": {"prompt_kv": prompt_kv, "wire": wire, **{key: kv[key] - kv_before[key] for key in kv}}}
+    summaries = [kv_summary(timeline) for timeline in timelines]
+    kv = {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
+    kv["kv_tail_all_s"] = [s["kv_tail_s"] for s in summaries]
+    return {"link_gbit": gbit, "kv": kv, "serve": metrics,
+            "bytes": {"prompt_kv": prompt_kv, "wire": wire, **{key: counts[key] - before[key] for key in counts}}}
 
 
 def main() -> int:
     p = experiment_parser(__doc__, "hosts")
     p.add_argument("--bandwidths", default="10gbit,25gbit", help="tc rates of the host configurations")
     p.add_argument("--shapes", default="central,beside,direct", help="of " + ", ".join(SHAPES))
-    p.add_argument("--kv-tokens", type=int, default=2048, help="the prompt whose KV tail is measured")
+    p.add_argument("--kv-tokens", type=int, default=2048, help="the prompts whose KV tail is measured")
+    p.add_argument("--kv-repeats", type=int, default=5, help="that many prompts, each another (the median)")
     p.add_argument("--input-range", default="32:512")
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--rate", type=float, default=0.4, help="requests per second")
@@ -191,12 +199,12 @@ def part_hosts(opts, out: Path) -> None:
         results[name] = run_configuration(opts, name, shape, bandwidth)
     (out / "hosts.json").write_text(json.dumps(results))
     say()
-    say(f"KV of one {opts.kv_tokens}-token prompt, and the load: random prompts {opts.input_range} tokens, 32-64 "
+    say(f"KV of {opts.kv_repeats} {opts.kv_tokens}-token prompts (medians), and the load: random prompts {opts.input_range} tokens, 32-64 "
         f"generated, {opts.num_prompts} requests at {opts.rate:g} req/s; SLOs TTFT <= {opts.slo_ttft:.0f} ms, "
         f"TBT <= {opts.slo_tbt:.0f} ms. KV moved: the load's prompts' KV ({opts.token_kv_bytes} bytes a token) "
         "and its answers' blocks written back into the store.")
     say()
-    say("| configuration | one TCP stream (Gbit/s) | prefill (s) | whole KV transfer (ms) | KV tail (ms) | hidden | "
+    say("| configuration | one TCP stream (Gbit/s) | prefill (s) | whole KV transfer (ms) | KV tail (ms, median (range)) | hidden | "
         "TTFT p50 (ms) | TTFT p99 (ms) | TBT p50 (ms) | TBT p99 (ms) | goodput (req/s) | prompt KV's crossings | "
         "KV on the network / KV moved | every byte sent / KV moved |")
     say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -204,7 +212,8 @@ def part_hosts(opts, out: Path) -> None:
         kv, m, b = r["kv"], r["serve"], r["bytes"]
         moved = b["prompt_kv"] + b["answers"]
         say(f"| {name} | {r['link_gbit']:.1f} | {kv['prefill_s']:.2f} | {kv['whole_transfer_s'] * 1e3:.0f} | "
-            f"{kv['kv_tail_s'] * 1e3:.1f} | {kv['hidden_fraction']:.0%} | {figure(m['ttft_ms']['p50'])} | "
+            f"{kv['kv_tail_s'] * 1e3:.1f} ({min(kv['kv_tail_all_s']) * 1e3:.1f}-{max(kv['kv_tail_all_s']) * 1e3:.1f}) | "
+            f"{kv['hidden_fraction']:.0%} | {figure(m['ttft_ms']['p50'])} | "
             f"{figure(m['ttft_ms']['p99'])} | {figure(m['tbt_ms']['p50'], '.1f')} | {figure(m['tbt_ms']['p99'], '.1f')} "
             f"| {m['goodput']:.3f} | {(b['network'] - b['answers_network']) / b['prompt_kv']:.3f} | "
             f"{b['network'] / moved:.3f} | {b['wire'] / moved:.3f} |")

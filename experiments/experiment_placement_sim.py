@@ -61,7 +61,7 @@ def main() -> int:
                    help="the router's options, KEY=VALUE (default: the roofline profile's speeds)")
     p.add_argument("--central-stores", nargs="+", type=int, default=[8, 80], help="store hosts of the central placement")
     p.add_argument("--nic-gbit", nargs="+", type=float, default=[400.0, 100.0], help="each host's NIC, each way")
-    p.add_argument("--speeds", nargs="+", type=float, default=[20, 30, 40, 50, 60, 80])
+    p.add_argument("--speeds", nargs="+", type=float, default=[5, 10, 15, 20, 30, 40, 50, 60])
     p.add_argument("--store-blocks", type=int, default=6000)
     p.add_argument("--block-tokens", type=int, default=512)
     add_slo_arguments(p, ttft_ms=2000.0, tbt_ms=100.0)

@@ -130,12 +130,13 @@ def bench(url: str, out: Path, argv: list[str]) -> dict:
     return json.loads(out.read_text())
 
 
-def one_prompt_timeline(url: str, tokens: int) -> dict:
+def one_prompt_timeline(url: str, tokens: int, variant: int = 0) -> dict:
     """Send one ``tokens``-token prompt (plain token ids, no special tokens) for two tokens; its
-    timeline (``/debug/timeline``): what KV-tail measurements read."""
+    timeline (``/debug/timeline``): what KV-tail measurements read. Each ``variant`` is another
+    prompt from its first token (none is a prefix another stored)."""
     import httpx
 
-    prompt = [(i * 7919) % 40000 + 1000 for i in range(tokens)]
+    prompt = [(i * 7919 + variant * 104729) % 40000 + 1000 for i in range(tokens)]
     reply = httpx.post(f"{url}/v1/completions", timeout=900,
                        json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0,
                              "ignore_eos": True}).json()
