@@ -85,25 +85,46 @@ def test_several_front_doors_each_on_a_port_of_its_own_or_sharing_one() -> None:
     assert [shared.server.port_of(i) for i in range(3)] == [8000, 8000, 8000]  # SO_REUSEPORT: no clash
 
 
-def test_front_doors_sharing_a_port_each_bind_it() -> None:
+def test_front_doors_sharing_a_port_each_serve_on_it() -> None:
+    """Two HTTP servers as two ingress replicas build them with server.reuse_port: each binds the
+    port (a socket that does not share it cannot), and connections reach both."""
+    import asyncio
     import socket
 
-    from pdflow.serving.http_server import shared_port_socket
+    import httpx
 
-    first = shared_port_socket("127.0.0.1", 0)
-    port = first.getsockname()[1]
-    second = shared_port_socket("127.0.0.1", port)  # another ingress replica, on the same port
-    try:
-        for sock in (first, second):
-            sock.listen()
-        with socket.socket() as plain, pytest.raises(OSError):  # one that does not share it cannot
-            plain.bind(("127.0.0.1", port))
-        for _ in range(4):  # connections are accepted whichever socket the kernel picks
-            with socket.create_connection(("127.0.0.1", port), timeout=5):
-                pass
-    finally:
-        first.close()
-        second.close()
+    from pdflow.serving.http_server import http_server, shared_port_socket
+
+    def app(name: str):
+        async def serve(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": name.encode()})
+        return serve
+
+    async def run() -> set[str]:
+        first = shared_port_socket("127.0.0.1", 0)
+        port = first.getsockname()[1]
+        sockets = [first, shared_port_socket("127.0.0.1", port)]
+        servers = [http_server(app(f"door {i}"), "127.0.0.1", port, 5.0) for i in range(2)]
+        tasks = [asyncio.create_task(server.serve([sock])) for server, sock in zip(servers, sockets)]
+        try:
+            while not all(server.started for server in servers):
+                await asyncio.sleep(0.01)
+            with socket.socket() as plain, pytest.raises(OSError):
+                plain.bind(("127.0.0.1", port))
+            answered = set()
+            for _ in range(64):  # a fresh connection each time: the kernel picks a socket for each
+                async with httpx.AsyncClient() as client:
+                    answered.add((await client.get(f"http://127.0.0.1:{port}/")).text)
+                if len(answered) == 2:
+                    break
+            return answered
+        finally:
+            for server in servers:
+                server.should_exit = True
+            await asyncio.gather(*tasks)
+
+    assert asyncio.run(run()) == {"door 0", "door 1"}
 
 
 def test_a_link_codec_and_the_return_links_that_inherit_it() -> None:
