@@ -24,6 +24,7 @@ from pdflow.config.pipeline import (
     default_outputs,
 )
 from pdflow import plugins
+from pdflow.transports import shares_memory
 from pdflow.config.toml_reader import describe
 from pdflow.registry import spec_name
 
@@ -121,7 +122,7 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
         seen.add((link.src, link.dst))
         into = receiving.setdefault(link.dst, {})
         into.setdefault(link.transport, i)
-        if len(into) > 1 and not _oneshares_memory(list(into)):
+        if len(into) > 1 and not _one_shares_memory(list(into)):
             first, transport = next((at, name) for name, at in into.items() if name != link.transport)
             raise PipelineError(f"{key}.transport", f"{link.dst} receives KV on one data port, over {transport!r} "
                                 f"(links[{first}]); link {link.src} -> {link.dst} must use it too, not "
@@ -136,16 +137,10 @@ def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
         _check_codec(pipeline, link, key)
 
 
-def _oneshares_memory(names: list[str]) -> bool:
+def _one_shares_memory(names: list[str]) -> bool:
     """Two transports, exactly one of which moves KV through shared memory (so they can share a
     data port: shm's socket is a Unix one)."""
     return len(names) == 2 and sum(shares_memory(name) for name in names) == 1
-
-
-def shares_memory(name: str) -> bool:
-    """Whether transport ``name`` (usable here) moves KV through memory one machine shares."""
-    transports = plugins.transports
-    return transports.availability(name) is None and bool(transports.load(name).shares_memory)
 
 
 def _paired_on_every_host(pipeline: Pipeline, link) -> bool:

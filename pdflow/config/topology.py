@@ -18,7 +18,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from pdflow.config.checks import check_pipeline, known_models, shares_memory
+from pdflow.config.checks import check_pipeline, known_models
+from pdflow.transports import shares_memory
 from pdflow.transports.shaping import parse_size
 from pdflow.config.pipeline import (
     DEFAULT_DATA_PORTS,
