@@ -42,6 +42,8 @@ def ingress_of(pipeline, policy: str = "round_robin") -> IngressStage:
     stage.keeps_kv = {"kv_shuttle"}
     stage.pairings = locality.pairings(pipeline, stage.keeps_kv, {"prefill"}, shares_memory)
     stage.route_order = locality.route_order(stage.routed, stage.pairings)
+    stage.hosts_of = {name: [pipeline.host_name_of(name, i) for i in range(pipeline.stages[name].replicas)]
+                      for name in stage.routed}
     return stage
 
 

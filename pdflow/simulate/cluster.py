@@ -370,9 +370,9 @@ class Cluster:
         layer's own send after prefill ends; whole, it starts once prefill ends. Decode's starts
         with it (or once decode's link is free) and ends no sooner than it. Without ``decode``
         (a request done at prefill) only prefill's link carries it, and the tail is its send."""
-        layers = self.profile.layers
         if self.network is not None:
             return self._kv_tail_on_network(prefill, decode, request, seconds)
+        layers = self.profile.layers
         computed, every = self._link_s(request.input_len - request.cached_tokens), self._link_s(request.input_len)
         if self.deploy.kv_streaming == "layer":
             start = max(self.now - seconds + seconds / layers, prefill.link_free_s)

@@ -126,6 +126,8 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         computes_kv = {name for name in self.routed if getattr(stage_class(self.pipeline, name), "computes_kv", False)}
         self.pairings = locality.pairings(self.pipeline, self.keeps_kv, computes_kv, shares_memory)
         self.route_order = locality.route_order(self.routed, self.pairings)
+        self.hosts_of = {name: [self.pipeline.host_name_of(name, i) for i in range(self.pipeline.stages[name].replicas)]
+                         for name in self.routed}  # each replica's host, for the pairings
         server = self.pipeline.server
         port = server.port_of(self.replica)
         self.server = http_server(build_app(self), server.host, port, server.header_timeout_s)
@@ -223,19 +225,16 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         return [(stage, i) not in self.down and (stage, i) not in self.unrouted
                 for i in range(self.pipeline.stages[stage].replicas)]
 
-    def _hosts(self, stage: str) -> list[str]:
-        return [self.pipeline.host_name_of(stage, i) for i in range(self.pipeline.stages[stage].replicas)]
-
     def _on_paired_hosts(self, stage: str, routable: list[bool], picked: dict[str, int]) -> list[bool]:
         """``routable`` narrowed by host locality (:mod:`pdflow.routing.locality`): a store only
         where one of its producers is up, a producer only on its store's host."""
         for pair in self.pairings:
             if stage == pair.store:
-                up = {host for host, ok in zip(self._hosts(pair.producer), self._routable(pair.producer)) if ok}
-                routable = locality.restrict(routable, self._hosts(stage), up, pair.strict)
+                up = {host for host, ok in zip(self.hosts_of[pair.producer], self._routable(pair.producer)) if ok}
+                routable = locality.restrict(routable, self.hosts_of[stage], up, pair.strict)
             elif stage == pair.producer and pair.store in picked:
                 store_host = self.pipeline.host_name_of(pair.store, picked[pair.store])
-                routable = locality.restrict(routable, self._hosts(stage), {store_host}, pair.strict)
+                routable = locality.restrict(routable, self.hosts_of[stage], {store_host}, pair.strict)
         return routable
 
     def _cached_tokens(self, stage: str, replica: int, ids: list[int] | None) -> tuple[int | None, int | None]:

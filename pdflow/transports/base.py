@@ -204,7 +204,7 @@ class Transport(ABC):
             if pending is not None:
                 await self._finish(link, pending)
             self.sent_bytes += header.nbytes
-            self._route(address).sent_bytes += header.nbytes
+            self._route_of(address).sent_bytes += header.nbytes
         except ValueError:
             raise  # from _send, before anything went out: the link stays
         except BaseException as exc:
@@ -273,7 +273,7 @@ class Transport(ABC):
     async def _link_to(self, address: str):
         """A usable link to the peer at ``address`` (connected first if need be), under its
         route's lock: one user at a time, in call order."""
-        route = self._routes.get(address) or self._route(address)
+        route = self._route_of(address)
         attempts = route.attempts
         async with route.lock:
             self._check_open()
@@ -287,6 +287,10 @@ class Transport(ABC):
         """The payload bytes written so far to each peer this sender reached (by its address as
         ``write`` was given it, less any region part)."""
         return {route.peer: route.sent_bytes for route in self._routes.values() if route.sent_bytes}
+
+    def _route_of(self, address: str) -> Route:
+        """The route to ``address``: a lookup where the address is its peer's (most writes)."""
+        return self._routes.get(address) or self._route(address)
 
     def _route(self, address: str) -> Route:
         peer = self._peer(address)  # ValueError before anything is kept for it
