@@ -159,27 +159,36 @@ def test_the_direct_path_fills_decode_s_pool_from_prefill_and_the_store_behind_i
     """The shared disaggregated server runs kv.direct: a prompt with no prefix stored has prefill
     write its whole KV into decode's pool (the store forwards none of it) and into the store
     behind it; the same prompt again finds that prefix stored and goes through the store, with the
-    same answer."""
+    same answer. A prompt goes direct when decode's pool destination reaches the store before
+    prefill asks for its plan (decode is told first); where prefill wins that race (a loaded
+    machine), the prompt goes through the store, whole: a few fresh prompts, until one goes direct."""
     if server.mode == "colocated":
         pytest.skip("colocated: the KV never leaves the worker")
     from pdflow.kv.layout import KvLayout
 
-    prompt = f"Direct path check {time.time_ns()}. " + " ".join(
-        f"Item {i}: a crate of {i * 3} lamps left the dock on day {i % 28}." for i in range(30))
+    kv = KvLayout.from_model_dir(model_dir, server.pipeline().model.dtype)
 
-    def sent(stats: dict) -> tuple[int, int]:
+    def sent() -> tuple[int, int]:
+        stats = server.fresh_stats()
         return stats["prefill-0"].get("kv_sent_bytes@decode", 0), stats["kv-shuttle-0"]["kv_sent_bytes@decode"]
 
-    before = sent(server.fresh_stats())
-    first = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=8)
-    middle = sent(server.fresh_stats())
-    n = first.usage.prompt_tokens
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    kv = KvLayout.from_model_dir(model_dir, server.pipeline().model.dtype)
+    for attempt in range(4):
+        prompt = f"Direct path check {time.time_ns()}. " + " ".join(
+            f"Item {i}: a crate of {i * 3 + attempt} lamps left the dock on day {i % 28}." for i in range(30))
+        before = sent()
+        first = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=8)
+        middle = sent()
+        n = first.usage.prompt_tokens
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        if middle[0] > before[0]:
+            break
+        assert middle[1] - before[1] == kv.request_bytes(n)  # prefill asked first: all of it through the store
+    else:
+        pytest.fail("no prompt of 4 went the direct path")
     assert middle[0] - before[0] == kv.request_bytes(n)  # every byte of its KV, from prefill
     assert middle[1] == before[1]  # none through the store
     again = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=8)
-    after = sent(server.fresh_stats())
+    after = sent()
     assert again.usage.prompt_tokens_details.cached_tokens >= n - 64  # stored behind the direct writes
     assert after[0] == middle[0] and after[1] > middle[1]  # a stored prefix: through the store
     assert again.choices[0].text == first.choices[0].text

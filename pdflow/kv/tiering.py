@@ -87,6 +87,7 @@ class DiskBackedStore:
         self._counts = dict.fromkeys(("spilled_blocks", "spill_missed", "disk_loads", "disk_loaded_blocks",
                                       "disk_load_failed"), 0)
         self._seconds = {"spill": 0.0, "load": 0.0}
+        self._writing = 0  # blocks handed to the writer thread, not yet written
         self._epoch = 0  # forgets so far: what was read or queued before one is void
         self._io = threading.Lock()  # a write of a block vs a forget on disk
 
@@ -105,9 +106,13 @@ class DiskBackedStore:
                 await self._spill_some()
 
     async def drain(self) -> None:
-        """Write everything queued now (what a clean shutdown or a test waits for)."""
-        while self._queue:
-            await self._spill_some()
+        """Write everything queued now, and wait for what the writer task is writing (what a clean
+        shutdown or a test waits for)."""
+        while self._queue or self._writing:
+            if self._queue:
+                await self._spill_some()
+            else:
+                await asyncio.sleep(0.005)
 
     async def _spill_some(self) -> None:
         batch, leased, epoch = [], [], self._epoch
@@ -124,9 +129,11 @@ class DiskBackedStore:
             batch.append((block_id, parent, version, self._wall(expires), slot))
         if not batch:
             return
+        self._writing += len(batch)
         try:
             await _thread_finishing(self._write, batch, epoch)
         finally:
+            self._writing -= len(batch)
             for block in leased:
                 self.store.release_block(block)
 
@@ -232,7 +239,8 @@ class DiskBackedStore:
     def stats(self) -> TieringStats:
         c, s, block = self._counts, self._seconds, self.store.layout.block_bytes
         return TieringStats(
-            spill_queued=len(self._queue), spilled_blocks=c["spilled_blocks"], spill_bytes=c["spilled_blocks"] * block,
+            spill_queued=len(self._queue) + self._writing, spilled_blocks=c["spilled_blocks"],
+            spill_bytes=c["spilled_blocks"] * block,
             spill_s=round(s["spill"], 6), spill_missed=c["spill_missed"], disk_loads=c["disk_loads"],
             disk_loaded_blocks=c["disk_loaded_blocks"], disk_load_bytes=c["disk_loaded_blocks"] * block,
             disk_load_s=round(s["load"], 6), disk_load_failed=c["disk_load_failed"],
