@@ -103,7 +103,7 @@ def test_models_and_health(client, server):
         expected = {"ingress-0", "worker-0"}
     assert set(health["stages"]) == expected
     # each stage's stats come with the seq of the heartbeat that brought them, which moves on (at
-    # 0.25 s a heartbeat, and a publication as often, here)
+    # 0.5 s a heartbeat, the default, and a publication as often)
     began = time.monotonic()
     seqs = {name: stage["heartbeat"] for name, stage in health["stages"].items()}
     later = server.fresh_stats()

@@ -81,7 +81,7 @@ secret_env = "{SECRET_ENV}"
 [limits]
 max_batch = 32
 ready_timeout_s = 240
-heartbeat_interval_s = 0.25
+heartbeat_interval_s = 0.5
 heartbeat_timeout_s = {heartbeat_timeout_s}
 request_timeout_s = {request_timeout_s}
 
@@ -171,7 +171,7 @@ def replicated_topology(replicas: dict[str, int], tables: str = "", *, min_repli
     for the scaler, ``limits`` over the [limits] defaults, and more ``tables`` (e.g. [router],
     [scaler], [kv]): a function of the first of :func:`replicated_ports` free ports, as
     :class:`PdflowServer` takes it."""
-    settings = {"max_batch": 32, "ready_timeout_s": 300, "heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 10,
+    settings = {"max_batch": 32, "ready_timeout_s": 300, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10,
                 "request_timeout_s": 120, **(limits or {})}
 
     def text(base: int) -> str:
@@ -317,11 +317,11 @@ class PdflowServer:
                 return {name: stage.get("stats", {}) for name, stage in now.items()}
             time.sleep(0.05)
 
-    def quiet_stats(self, quiet_s: float = 0.75, timeout_s: float = 20) -> dict[str, dict]:
+    def quiet_stats(self, quiet_s: float = 1.5, timeout_s: float = 20) -> dict[str, dict]:
         """Every stage's stats from :meth:`fresh_stats` on, once none has changed for ``quiet_s``
-        (the launcher publishes them every heartbeat interval): the counters of work that goes on
-        after an answer is out (a store decoding what it keeps, leases let go) have come in with
-        the heartbeats. Past ``timeout_s``, the latest."""
+        (three heartbeat intervals of these topologies; the launcher publishes them every
+        interval): the counters of work that goes on after an answer is out (a store decoding what
+        it keeps, leases let go) have come in with the heartbeats. Past ``timeout_s``, the latest."""
         def read() -> dict[str, dict]:
             body = self.health() or {}
             return {name: stage.get("stats", {}) for name, stage in body.get("stages", {}).items()}
