@@ -12,11 +12,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # stages) takes them from the other workers. Set before torch loads; stages inherit it.
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-# The modules that take longest run first, so that when the suite runs in workers (one module per
-# worker at a time: scripts/test.sh, ``--dist loadfile``) no long module starts last, alone.
-LONGEST_FIRST = ("test_e2e_ray", "test_prefix_reuse", "test_e2e_hosts", "test_e2e_failures", "test_e2e_disk_tier",
-                 "test_e2e_transports", "test_hostile_http", "test_e2e_kv_structural", "test_e2e_kv_codecs",
-                 "test_e2e_models_by_path", "test_e2e", "test_transports", "test_cache_aware", "test_speculative")
+# Where the suite runs in workers (scripts/test.sh: ``--dist loadfile``), a worker takes one unit at a
+# time: a module, or one of these groups of modules, run one after another in one worker. A group's
+# modules share a session server that few other modules use (the colocated and the shm one): each
+# worker that ran one of them would start its own (a start costs about 15 s of CPU, and an idle
+# server about 2% of a core while the worker lives).
+SHARED_SERVER_GROUPS = {
+    "colocated-and-shm-servers": ("test_prefix_reuse", "test_e2e_transports", "test_e2e", "test_e2e_sampling_api",
+                                  "test_simulate"),
+}
+UNIT_OF_MODULE = {module: group for group, modules in SHARED_SERVER_GROUPS.items() for module in modules}
+
+# The units that take longest start first (measured with --durations=0 in 3 workers), so that no long
+# one starts last, alone; the rest keep pytest's order.
+LONGEST_FIRST = (*SHARED_SERVER_GROUPS["colocated-and-shm-servers"], "test_e2e_ray", "test_engine", "test_e2e_disk_tier",
+                 "test_hostile_http", "test_e2e_failures", "test_e2e_hosts", "test_cache_aware",
+                 "test_e2e_kv_structural", "test_cli", "test_speculative", "test_e2e_kv_codecs", "test_bench_speculative",
+                 "test_e2e_models_by_path", "test_kernels", "test_examples", "test_transports", "test_e2e_scaler",
+                 "test_bench_serve")
 
 
 def pytest_collection_modifyitems(items):
@@ -25,6 +38,24 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each module's tests keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with :data:`SHARED_SERVER_GROUPS` as units, handed out in the collection's
+    order (xdist's default reorders the units by their number of tests, which put a long module
+    of four tests, test_e2e_ray, near the end)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return UNIT_OF_MODULE.get(os.path.splitext(os.path.basename(module))[0], module)
+
+    config.option.loadscopereorder = False
+    return SharedServerScheduling(config, log)
+
 
 from pdflow.testing.server import PdflowServer
 
