@@ -29,8 +29,18 @@ def _probe(env: dict) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+def _unoptimizing_compiler(tmp_path) -> str:
+    """A cc that builds at -O0 (a quarter of -O3's CPU): what is tested is the build's lock and
+    cache, not the code's speed."""
+    wrapper = tmp_path / "cc-O0"
+    wrapper.write_text('#!/usr/bin/env bash\nargs=()\nfor arg in "$@"; do [ "$arg" = -O3 ] && arg=-O0; args+=("$arg"); done\n'
+                       'exec cc "${args[@]}"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
 def test_two_processes_building_at_once_make_one_library(tmp_path):
-    env = {"PDFLOW_CACHE_DIR": str(tmp_path)}
+    env = {"PDFLOW_CACHE_DIR": str(tmp_path), "CC": _unoptimizing_compiler(tmp_path)}
     probes = [_probe(env), _probe(env)]
     outputs = [p.communicate(timeout=300) for p in probes]
     for (out, err), probe in zip(outputs, probes):
