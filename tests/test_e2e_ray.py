@@ -209,12 +209,12 @@ def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
     def decode_1() -> dict:
         return httpx.get(f"{url}/health", timeout=5).json()["stages"]["decode-1"]
 
-    async def burst() -> list[str]:  # a client per loop: asyncio.run makes a new one each time
+    async def burst(at_once: int = 8) -> list[str]:  # a client per loop: asyncio.run makes a new one each time
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                       timeout=120) as client:
             replies = await asyncio.gather(*(client.chat.completions.create(
                 model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40,
-                extra_body={"ignore_eos": True}) for _ in range(8)))
+                extra_body={"ignore_eos": True}) for _ in range(at_once)))
         return [r.choices[0].message.content for r in replies]
 
     def steps_of_decode_1() -> float:
@@ -227,9 +227,16 @@ def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
         extra_body={"ignore_eos": True}).choices[0].message.content
     answers = []
     deadline = time.monotonic() + 120
-    while decode_1()["state"] != "ready":  # 8 at once: decode's batch > 2 per replica
+    while decode_1()["state"] == "parked":  # 8 at once: decode's batch > 2 per replica
         assert time.monotonic() < deadline, decode_1()
         answers += asyncio.run(burst())
+    # its actor starts a fresh interpreter that loads the model: seconds, a minute on a loaded
+    # machine. Meanwhile one request after another: a joining replica is never parked, but once
+    # ready it would drain after 1.5 s with no request at all
+    deadline = time.monotonic() + 240
+    while decode_1()["state"] != "ready":
+        assert time.monotonic() < deadline, decode_1()
+        answers += asyncio.run(burst(1))
     assert placed_actors() == sorted(PLACED + [("decode-1", "decode-node")])
     answers += asyncio.run(burst())
     deadline = time.monotonic() + 10  # its counters come with its heartbeat
