@@ -8,10 +8,9 @@ PDFLOW_EXTRAS=${PDFLOW_EXTRAS:-test,ucx,ray} scripts/setup.sh
 # The suite runs in PDFLOW_TEST_WORKERS processes (pytest-xdist; 0: in this one), a module to a
 # worker at a time (--dist loadfile), so that a module's servers are started once (tests/conftest.py
 # makes one unit of the modules that share a session server few others use, and hands the longest
-# units out first). One worker more
-# than there are cores: much of an end-to-end test is waiting (a server starting, a heartbeat, a
-# timeout), which another worker fills. On the 2-core machine: 722 s in one process, 543 s in 2
-# workers, 436 s in 3.
+# units out first). One worker more than there are cores: much of an end-to-end test is waiting (a
+# server starting, a heartbeat, a timeout), which another worker fills. On the 2-core machine: 722 s
+# in one process, 543 s in 2 workers, 436 s in 3.
 workers=${PDFLOW_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"

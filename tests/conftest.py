@@ -40,6 +40,7 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: each module's tests keep their order
 
 
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist: none where it is not installed)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with :data:`SHARED_SERVER_GROUPS` as units, handed out in the collection's
     order (xdist's default reorders the units by their number of tests, which put a long module
