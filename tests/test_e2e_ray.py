@@ -15,7 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -209,12 +211,12 @@ def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
     def decode_1() -> dict:
         return httpx.get(f"{url}/health", timeout=5).json()["stages"]["decode-1"]
 
-    async def burst(at_once: int = 8) -> list[str]:  # a client per loop: asyncio.run makes a new one each time
+    async def burst() -> list[str]:  # a client per loop: asyncio.run makes a new one each time
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                       timeout=120) as client:
             replies = await asyncio.gather(*(client.chat.completions.create(
                 model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40,
-                extra_body={"ignore_eos": True}) for _ in range(at_once)))
+                extra_body={"ignore_eos": True}) for _ in range(8)))
         return [r.choices[0].message.content for r in replies]
 
     def steps_of_decode_1() -> float:
@@ -225,24 +227,41 @@ def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
     alone = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120).chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40,
         extra_body={"ignore_eos": True}).choices[0].message.content
+
+    def keep_busy(stop: threading.Event) -> None:
+        """One answer after another until ``stop``: decode's batch is never empty for long, so the
+        scaler keeps decode-1 once it is ready (it parks a ready replica after 1.5 s with no
+        request at all; a joining one it never parks)."""
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        while not stop.is_set():
+            client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                           temperature=0, max_tokens=200, extra_body={"ignore_eos": True})
+
     answers = []
     deadline = time.monotonic() + 120
     while decode_1()["state"] == "parked":  # 8 at once: decode's batch > 2 per replica
         assert time.monotonic() < deadline, decode_1()
         answers += asyncio.run(burst())
-    # its actor starts a fresh interpreter that loads the model: seconds, a minute on a loaded
-    # machine. Meanwhile one request after another: a joining replica is never parked, but once
-    # ready it would drain after 1.5 s with no request at all
-    deadline = time.monotonic() + 240
-    while decode_1()["state"] != "ready":
-        assert time.monotonic() < deadline, decode_1()
-        answers += asyncio.run(burst(1))
-    assert placed_actors() == sorted(PLACED + [("decode-1", "decode-node")])
-    answers += asyncio.run(burst())
-    deadline = time.monotonic() + 10  # its counters come with its heartbeat
-    while not steps_of_decode_1():
-        assert time.monotonic() < deadline, "decode-1 never decoded"
-        time.sleep(0.2)
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        keeper = pool.submit(keep_busy, stop)
+        try:
+            # its actor starts a fresh interpreter that loads the model: seconds, a minute on a
+            # loaded machine (bursts meanwhile would only take the CPU it needs)
+            deadline = time.monotonic() + 240
+            while decode_1()["state"] != "ready":
+                assert time.monotonic() < deadline, decode_1()
+                assert not keeper.done(), keeper.exception()
+                time.sleep(0.5)
+            assert placed_actors() == sorted(PLACED + [("decode-1", "decode-node")])
+            answers += asyncio.run(burst())
+            deadline = time.monotonic() + 10  # its counters come with its heartbeat
+            while not steps_of_decode_1():
+                assert time.monotonic() < deadline, "decode-1 never decoded"
+                time.sleep(0.2)
+        finally:
+            stop.set()
+        keeper.result(timeout=120)
     wait_healthy(url, proc, workdir, lambda body: body["stages"]["decode-1"]["state"] == "parked", 60)
     deadline = time.monotonic() + 30  # its actor ends with its process
     while placed_actors() != PLACED:
