@@ -13,6 +13,8 @@ import sys
 
 import structlog
 
+_configured = False  # configure_logging ran in this process
+
 
 class _StderrLogger:
     """Writes each line to whatever ``sys.stderr`` is at that moment (a logger that kept the
@@ -65,14 +67,27 @@ def configure_logging(fmt: str = "console", level: str = "info", **context) -> N
     _route_stdlib(renderer, stamp, numeric_level, fmt)
     for noisy in ("transformers", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    try:  # no "Loading weights" bars in stage logs
-        from transformers.utils import logging as hf_logging
+    global _configured
+    _configured = True
+    if "transformers" in sys.modules:  # else quiet_transformers() runs where it is imported
+        quiet_transformers()
 
-        hf_logging.disable_progress_bar()
-        hf_logging.disable_default_handler()  # its records reach the root handler below
-        hf_logging.enable_propagation()
+
+def quiet_transformers() -> None:
+    """transformers as a stage logs: no "Loading weights" bars, its records through the root
+    handler (not its own). Called right after the import by the code that imports transformers,
+    not by :func:`configure_logging`: importing it there cost every process (the launcher, each
+    stage, most of which never use it) about 1.3 s of CPU at start. A process that did not
+    configure logging (a notebook using the engine) keeps transformers' own set-up."""
+    if not _configured:
+        return
+    try:
+        from transformers.utils import logging as hf_logging
     except ImportError:
-        pass
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
 def _route_stdlib(renderer, stamp, level: int, fmt: str) -> None:

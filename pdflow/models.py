@@ -303,6 +303,9 @@ def _convert(gguf: Path, out: Path, progress: bool) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from pdflow.log import quiet_transformers
+
+        quiet_transformers()
         where = dict(gguf_file=gguf.name, local_files_only=True)
         with quiet, tqdm(total=3, unit="step", desc="convert", disable=not progress) as bar:
             bar.set_postfix_str("tokenizer")

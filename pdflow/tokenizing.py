@@ -16,16 +16,20 @@ def load_tokenizer(model_dir: str | Path):
     fast tokenizer (and has its tokenizer.json), that class is built directly: AutoTokenizer
     would first read the model's config through its config class, whose import pulls in
     torch.distributed, about 1 s of every stage start that tokenizes."""
+    from pdflow.log import quiet_transformers
+
     model_dir = Path(model_dir)
     name = _json(model_dir / "tokenizer_config.json").get("tokenizer_class")
     if name in _GENERIC_TOKENIZERS and (model_dir / "tokenizer.json").is_file():
         import transformers
 
+        quiet_transformers()
         generic = getattr(transformers, name, None)
         if generic is not None:
             return generic.from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
+    quiet_transformers()
     return AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -37,6 +41,9 @@ def model_limits(model_dir: str | Path) -> tuple[int, int]:
     if "max_position_embeddings" not in config or "vocab_size" not in config:
         from transformers import AutoConfig
 
+        from pdflow.log import quiet_transformers
+
+        quiet_transformers()
         config = AutoConfig.from_pretrained(model_dir).to_dict()
     return int(config.get("max_position_embeddings") or 2048), int(config.get("vocab_size") or 0)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -60,3 +62,25 @@ def test_console_format_renders_the_standard_library_s_lines_as_structlog_s(caps
     err = capsys.readouterr().err
     assert "falling back to plain C" in err and "pdflow.kernels" in err and "stage=prefill" in err
     assert err.count("once") == 1
+
+
+def test_transformers_is_imported_only_by_code_that_uses_it_and_then_logs_through_the_pipeline(model_dir):
+    """Importing transformers costs a process about 1.3 s of CPU: configuring logging must not
+    (the launcher and most stages never use it); the ingress that loads a tokenizer does, and then
+    transformers' records are JSON lines like the rest, with no progress bars."""
+    code = f"""
+import logging, sys
+from pdflow.log import configure_logging
+configure_logging("json", "info", stage="ingress")
+assert "transformers" not in sys.modules, "configure_logging imported transformers"
+from pdflow.tokenizing import load_tokenizer
+load_tokenizer({str(model_dir)!r})
+from transformers.utils import logging as hf_logging
+assert not hf_logging.is_progress_bar_enabled()
+hf_logging.get_logger("transformers.tokenization_utils_base").error("a record of transformers")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
+    record = next(e for e in events if e["event"] == "a record of transformers")
+    assert record["logger"] == "transformers.tokenization_utils_base" and record["stage"] == "ingress"

@@ -79,6 +79,9 @@ class GuideCompiler:
         import llguidance.hf
         from transformers import AutoTokenizer
 
+        from pdflow.log import quiet_transformers
+
+        quiet_transformers()
         hf = AutoTokenizer.from_pretrained(self.model_dir)
         return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab, eos_token=eos)
 

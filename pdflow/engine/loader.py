@@ -15,6 +15,7 @@ from pdflow.engine import weights as weight_formats
 from pdflow.engine.forward import TransformersForward, check_against_own_forward
 from pdflow.engine.llama import CompactLlama, unsupported_reason
 from pdflow.kv.layout import KvLayout, torch_dtype
+from pdflow.log import quiet_transformers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at run time
 
@@ -75,6 +76,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
                            int(config.vocab_size))
     from transformers import AutoConfig
 
+    quiet_transformers()
     config = AutoConfig.from_pretrained(model_dir)
     compact = unsupported_reason(config) is None
     if compact:
@@ -109,5 +111,6 @@ def load_transformers_model(model_dir: str | Path, dtype: str = "float32", devic
     engine is tested against, and the source of its weights."""
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=torch_dtype(dtype), attn_implementation="sdpa")
     return model.to(device).eval()
