@@ -335,10 +335,14 @@ def _validate(args) -> int:
 
 
 def _pairings(topology) -> list:
-    """The producer -> store pairs ingress keeps on one host (pdflow.routing.locality)."""
+    """The producer -> store pairs ingress keeps on one host (pdflow.routing.locality). None
+    where it keeps none: no stage class is loaded (the engine's import costs seconds)."""
     from pdflow.routing import locality
     from pdflow.runtime.kinds import stage_class
     from pdflow.transports import shares_memory
+
+    if not locality.applies(topology):
+        return []
 
     def having(attribute: str) -> set[str]:
         return {name for name in topology.stages if getattr(stage_class(topology, name), attribute, False)}

@@ -188,11 +188,12 @@ def _check_hosts(pipeline: Pipeline) -> None:
                             'set secret_file = "pipeline.key" (from `pdflow keys new pipeline.key`, copied to every '
                             'host) or secret_env = "NAME" in [security]')
     for i, link in enumerate(pipeline.links):
-        if not shares_memory(link.transport) or _paired_on_every_host(pipeline, link):
-            continue  # (a store beside each prefill host: ingress pairs the two, the link stays on each host)
+        if not shares_memory(link.transport):
+            continue
         ends = {pipeline.host_name_of(stage, r) for stage in (link.src, link.dst)
                 for r in range(pipeline.stages[stage].replicas)}
-        if len(ends) > 1:
+        # (a store beside each prefill host: ingress pairs the two, the link stays on each host)
+        if len(ends) > 1 and not _paired_on_every_host(pipeline, link):
             raise PipelineError(f"links[{i}].transport", f"transport {link.transport!r} shares memory on one "
                                 f"machine, but {link.src} and {link.dst} run on hosts {', '.join(sorted(ends))}; "
                                 "use tcp (or ucx, verbs) between hosts, or run a kv_shuttle beside each prefill "

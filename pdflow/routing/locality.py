@@ -28,6 +28,12 @@ class Pairing:
     strict: bool  # the link between them shares memory: only a store on the producer's host will do
 
 
+def applies(pipeline: Pipeline) -> bool:
+    """Whether ingress keeps producers and stores on one host: ``router.locality = "host"`` in a
+    pipeline of several hosts."""
+    return pipeline.router.locality != "none" and pipeline.multi_host
+
+
 def pairings(pipeline: Pipeline, keeps_kv: set[str], computes_kv: set[str], shares_memory) -> list[Pairing]:
     """The producer -> store pairs of ``pipeline`` whose replicas ingress should keep on one host
     (none with ``router.locality = "none"``, or in a one-host pipeline): each data-plane link from
@@ -35,7 +41,7 @@ def pairings(pipeline: Pipeline, keeps_kv: set[str], computes_kv: set[str], shar
     (``keeps_kv``: kv-shuttle). ``shares_memory(transport)``: whether a transport stays on one
     machine. (Decode's link back into the store, for answers, is not a pairing: decode goes
     wherever the router sends it, and reads the KV over the network.)"""
-    if pipeline.router.locality == "none" or not pipeline.multi_host:
+    if not applies(pipeline):
         return []
     return [Pairing(link.src, link.dst, shares_memory(link.transport)) for link in pipeline.links
             if link.src in computes_kv and link.dst in keeps_kv]
