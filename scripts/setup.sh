@@ -18,7 +18,7 @@ fi
 extras=${PDFLOW_EXTRAS:-test}
 stamp=.venv/.pdflow-installed
 sources=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-read -r stamped_sources installed < "$stamp" 2>/dev/null || true
+read -r stamped_sources installed 2>/dev/null < "$stamp" || true
 if [ "${stamped_sources:-}" = "$sources" ]; then
   extras=$(printf '%s\n' ${installed//,/ } ${extras//,/ } | sort -u | paste -sd, -)
   missing=$(comm -13 <(printf '%s\n' ${installed//,/ } | sort -u) <(printf '%s\n' ${extras//,/ } | sort -u))
@@ -27,7 +27,20 @@ else
 fi
 if [ -n "$missing" ]; then
   echo "pdflow setup: installing dependencies into .venv (extras: $extras)" >&2
-  .venv/bin/python -m pip install --quiet --upgrade pip
+  # uv installs what pip would (the same versions, checked with both freezes) in about half the
+  # time: on the 2-core machine torch 16 s against 37, the rest 27 s against 59. Bytecode is
+  # compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set, nothing else would,
+  # and every process would compile what it imports. uv reads no pip configuration: pip's
+  # find-links (where this machine keeps its torch wheel) are handed to it. Without uv, pip.
+  install=(.venv/bin/python -m pip install --quiet)
+  if .venv/bin/python -m pip install --quiet uv >/dev/null 2>&1 && [ -x .venv/bin/uv ]; then
+    install=(.venv/bin/uv pip install --quiet --python .venv/bin/python --compile-bytecode)
+    for links in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null); do
+      [ -d "$links" ] && install+=(--find-links "$links")
+    done
+  else
+    .venv/bin/python -m pip install --quiet --upgrade pip
+  fi
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     # Without a GPU, take the CPU build of torch (a pinned release lies on this machine's
     # disk); an unpinned `torch` would pull a multi-GB CUDA build. PDFLOW_TORCH overrides.
@@ -35,15 +48,15 @@ if [ -n "$missing" ]; then
     if [ -z "${PDFLOW_TORCH:-}" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       torch_spec=torch
     fi
-    .venv/bin/python -m pip install --quiet "$torch_spec"
+    "${install[@]}" "$torch_spec"
   fi
-  if ! .venv/bin/python -m pip install --quiet -e ".[$extras]"; then
+  if ! "${install[@]}" -e ".[$extras]"; then
     case ",$extras," in
       *,ucx,*)  # ucxx publishes wheels for some platforms and Pythons only: go on without it
         echo "pdflow setup: WARNING: installing the ucx extra failed; continuing without it" \
              "(the ucx transport's tests will skip, saying ucxx is not installed)" >&2
         extras=$(printf '%s\n' ${extras//,/ } | grep -vx ucx | paste -sd, -)
-        .venv/bin/python -m pip install --quiet -e ".[$extras]" ;;
+        "${install[@]}" -e ".[$extras]" ;;
       *) exit 1 ;;
     esac
   fi
