@@ -104,15 +104,18 @@ _PRELOAD = ["__main__", "pdflow.runtime.process", "torch", "pdflow.stages.prefil
             "pdflow.stages.kv_shuttle", "pdflow.stages.worker", "pdflow.stages.ingress"]
 
 
-def stage_processes() -> multiprocessing.context.BaseContext:
+def stage_processes(main: bool = True) -> multiprocessing.context.BaseContext:
     """Where stage processes come from: a fork server (Linux) that has imported what stages
     import, else ``spawn``. The fork server is single-threaded and has run no OpenMP region, so
     each child starts its own thread pools; it exits once the launcher and its children have.
-    ``$PDFLOW_STAGE_START=spawn`` spawns them instead (to compare: experiments/bench_startup.py)."""
+    ``$PDFLOW_STAGE_START=spawn`` spawns them instead (to compare: experiments/bench_startup.py).
+    ``main``: the fork server imports this process's ``__main__`` too (a stage class defined
+    there); not where that is another program's (a Ray worker's: importing it costs each stage
+    about 1.2 s of CPU)."""
     if "forkserver" not in multiprocessing.get_all_start_methods() or os.environ.get("PDFLOW_STAGE_START") == "spawn":
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
+    context.set_forkserver_preload(_PRELOAD if main else [name for name in _PRELOAD if name != "__main__"])
     return context
 
 

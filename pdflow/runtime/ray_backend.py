@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing
 import uuid
 from typing import Any
 
@@ -62,14 +61,15 @@ class StageActor:
 
     def __init__(self, launch: Any) -> None:
         from pdflow.models import resolve
+        from pdflow.runtime.launcher import stage_processes
         from pdflow.runtime.process import main as stage_main
 
         model = launch.pipeline.model
         model_dir = str(resolve(str(model.path or model.source), progress=False))
         launch = dataclasses.replace(launch, model_dir=model_dir)
         name = f"pdflow::{launch.pipeline.stages[launch.stage].display_name}-{launch.replica}"
-        self.process = multiprocessing.get_context("spawn").Process(target=stage_main, args=(launch,), name=name,
-                                                                    daemon=True)
+        # (not spawned: a spawned child imports the actor's __main__, Ray's worker, before the stage)
+        self.process = stage_processes(main=False).Process(target=stage_main, args=(launch,), name=name, daemon=True)
         self.process.start()
 
     def pid(self) -> int:
