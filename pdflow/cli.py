@@ -388,7 +388,8 @@ def _data_paths(topology, link) -> list[str]:
 def _run(args) -> int:
     import uvloop
 
-    from pdflow.runtime.launcher import HostError, Launcher, prepare_stage_processes, this_host
+    from pdflow.runtime.launcher import HostError, Launcher, this_host
+    from pdflow.runtime.stage_start import prepare_stage_processes
     from pdflow.log import configure_logging
     from pdflow.models import ModelError, resolve
     from pdflow.security import SecretError, pipeline_keys

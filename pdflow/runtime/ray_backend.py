@@ -61,7 +61,7 @@ class StageActor:
 
     def __init__(self, launch: Any) -> None:
         from pdflow.models import resolve
-        from pdflow.runtime.launcher import stage_processes
+        from pdflow.runtime.stage_start import stage_processes
         from pdflow.runtime.process import main as stage_main
 
         model = launch.pipeline.model

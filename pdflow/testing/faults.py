@@ -238,7 +238,28 @@ def none_left_behind(old_pids: list[int], shm_before: set[str]) -> None:
     assert not extra, f"shared-memory segments left behind: {sorted(extra)}"
 
 
+# libuv's worker pool (uvloop resolves names and touches files through it): its fixed number of
+# threads start together on its first use, which can come at any time in a process's life (a
+# soak saw a kv-shuttle go from 6 threads to 10): not threads the process's own work leaves behind
+_POOL_THREAD = "libuv-worker"
+
+
+def own_threads(pid: int) -> int:
+    """The threads of process ``pid`` but libuv's worker pool; 0 when gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0
+    names = []
+    for task in tasks:
+        try:
+            names.append(Path(f"/proc/{pid}/task/{task}/comm").read_text().strip())
+        except FileNotFoundError:  # (ended meanwhile)
+            continue
+    return sum(name != _POOL_THREAD for name in names)
+
+
 def footprint(server) -> dict[str, dict[str, int]]:
-    """Each replica's RSS (kB), threads and open file descriptors."""
-    return {name: {"rss_kb": proc_status(pid, "VmRSS"), "threads": proc_status(pid, "Threads"),
+    """Each replica's RSS (kB), threads (:func:`own_threads`) and open file descriptors."""
+    return {name: {"rss_kb": proc_status(pid, "VmRSS"), "threads": own_threads(pid),
                    "fds": open_fds(pid)} for name, pid in stage_pids(server).items()}
