@@ -182,6 +182,18 @@ def _keep_generation_short(body: dict) -> None:
         body["prompt"] = prompt[:4]
 
 
+def _no_tokens(response) -> bool:
+    """A 400 for a prompt (or one of a list's) whose text has no tokens: the document cannot say
+    which texts have none (test_out_of_range_values_are_400s... pins this answer)."""
+    if response.status_code != 400:
+        return False
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return str(error.get("param")).split(".")[0] == "prompt" and "has no tokens" in str(error.get("message"))
+
+
 def _number(value) -> bool:
     return type(value) in (int, float)
 
@@ -223,8 +235,11 @@ def test_schemathesis_finds_no_server_error(server):
             # a "negative" case whose body the document's schema accepts after all (schemathesis mutates
             # one branch of an anyOf into another branch's type) is not one: it is not held to rejection
             negative = mode is schemathesis.GenerationMode.NEGATIVE and not valid_body(operation, case.body)
+            held_to = [*checks, *([negative_data_rejection] if negative else [])]
+            if _no_tokens(response):  # a valid text the tokenizer drops whole ("\x13"): refused by design
+                held_to.remove(positive_data_acceptance)
             try:
-                case.validate_response(response, checks=[*checks, *([negative_data_rejection] if negative else [])])
+                case.validate_response(response, checks=held_to)
             except (AssertionError, FailureGroup) as exc:
                 failures.append(f"{operation.label} ({mode.value}): {str(exc)[:600]}")
 
