@@ -9,8 +9,9 @@ PDFLOW_EXTRAS=${PDFLOW_EXTRAS:-test,ucx,ray} scripts/setup.sh
 # worker at a time (--dist loadfile), so that a module's servers are started once (tests/conftest.py
 # makes one unit of the modules that share a session server few others use, and hands the longest
 # units out first). One worker more than there are cores: much of an end-to-end test is waiting (a
-# server starting, a heartbeat, a timeout), which another worker fills. On the 2-core machine: 722 s
-# in one process, 543 s in 2 workers, 436 s in 3.
+# server starting, a heartbeat, a timeout), which another worker fills. On the 2-core machine, once
+# (a smaller suite): 722 s in one process, 543 s in 2 workers, 436 s in 3; on 2026-12-07, 1,331
+# tests in 3 workers: 531 s, with about 1,020 s of CPU (/proc/stat), 92% of both cores.
 workers=${PDFLOW_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 # The plug-ins the suite uses, named rather than found: pytest rewrites the asserts of every module
 # of every installed plug-in's package (schemathesis, hypothesis and anyio ship plug-ins the suite
