@@ -335,8 +335,8 @@ def _validate(args) -> int:
 
 
 def _pairings(topology) -> list:
-    """The producer -> store pairs ingress keeps on one host (pdflow.routing.locality). None
-    where it keeps none: no stage class is loaded (the engine's import costs seconds)."""
+    """The producer -> store pairs ingress keeps on one host (pdflow.routing.locality); none
+    where it keeps none, without loading a stage class (prefill's imports the engine: seconds)."""
     from pdflow.routing import locality
     from pdflow.runtime.kinds import stage_class
     from pdflow.transports import shares_memory
