@@ -11,6 +11,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # spins for ~300k iterations when its work ends (libgomp's default, and the launcher's for the
     # stages) takes them from the other workers. Set before torch loads; stages inherit it.
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    # And each worker computes on one thread: with the cores shared three ways (and with the
+    # servers' stages), a second thread mostly waits at OpenMP's barriers. test_engine and
+    # test_speculative beside two CPU hogs: 107 s of CPU on two threads, 85 s on one, in the same
+    # wall time. Servers the tests start size their own stages' threads (their cores).
+    import torch
+
+    torch.set_num_threads(1)
 
 # Where the suite runs in workers (scripts/test.sh: ``--dist loadfile``), a worker takes one unit at a
 # time: a module, or one of these groups of modules, run one after another in one worker. A group's
