@@ -22,8 +22,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Where the suite runs in workers (scripts/test.sh: ``--dist loadfile``), a worker takes one unit at a
 # time: a module, or one of these groups of modules, run one after another in one worker. A group's
 # modules share a session server that few other modules use (the colocated and the shm one): each
-# worker that ran one of them would start its own (a start took 7-10 s of CPU on an idle machine,
-# and an idle server 0.46 s of CPU in 20 s while the worker lives).
+# worker that ran one of them would start its own (a start took 7-10 s of CPU on an idle machine
+# before logging stopped importing transformers, 4.2 s after; an idle server 0.43-0.46 s of CPU in
+# 20 s while the worker lives).
 SHARED_SERVER_GROUPS = {
     "colocated-and-shm-servers": ("test_prefix_reuse", "test_e2e_transports", "test_e2e", "test_e2e_sampling_api",
                                   "test_simulate"),
