@@ -16,9 +16,12 @@ workers=${PDFLOW_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 # The plug-ins the suite uses, named rather than found: pytest rewrites the asserts of every module
 # of every installed plug-in's package (schemathesis, hypothesis and anyio ship plug-ins the suite
 # does not use: 263 modules), again in each process where PYTHONDONTWRITEBYTECODE keeps it from
-# caching them. Collecting took 16.5 s of CPU in each worker, 11.2 s with this.
+# caching them. Collecting took 16.5 s of CPU in each worker, 11.2 s with this. Each is named by its
+# module, not its entry point's name: pytest rewrites the asserts of the package a -p names, and
+# "-p asyncio" had it rewrite the standard library's asyncio (29 modules, again in each process, and
+# slower asserts in the event loop of every in-process pipeline): collecting, 10.7 s -> 9.3 s of CPU.
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
-plugins=(-p xdist -p asyncio -p timeout)
+plugins=(-p xdist.plugin -p pytest_asyncio.plugin -p pytest_timeout)
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "${plugins[@]}" "$@"
 fi

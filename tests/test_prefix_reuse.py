@@ -23,8 +23,12 @@ from tests.conftest import shared_server
 
 pytestmark = pytest.mark.e2e
 
-DOCUMENT = (Path(__file__).parent / "data" / "rag_document.txt").read_text()
-QUESTIONS = ["Which tributary is dammed, and where?", "When may canoes use the river above Kettle Bridge?",
+FIELD_GUIDE = (Path(__file__).parent / "data" / "rag_document.txt").read_text()
+# Its first five paragraphs (about 430 tokens, 6 blocks), read again by most turns below: the whole
+# guide (about 700) cost the reference (every prompt computed whole) twice the prefill for nothing
+# more tested. The prompt that must still be computing when another arrives reads the whole guide.
+DOCUMENT = FIELD_GUIDE.split("\n\nWalking the river")[0]
+QUESTIONS = ["Which tributary is dammed, and where?", "Which town has a bridge of nine arches?",
              "What was the record salmon year?"]
 SESSIONS = [
     ["I am planning a week of walking along a river valley in late autumn, staying in small towns, carrying "
@@ -160,7 +164,7 @@ def test_a_prompt_sent_while_its_prefix_is_computed_waits_for_it(reusing, served
     twice), and its answer is the one computed without any cache."""
     if reusing.deployment == "colocated":
         pytest.skip("the colocated worker plans a prompt when it computes it: nothing is in flight")
-    document = f"Field notes, the {reusing.deployment} copy.\n\n{DOCUMENT}"  # a prefix no earlier test stored
+    document = f"Field notes, the {reusing.deployment} copy.\n\n{FIELD_GUIDE}"  # a prefix no earlier test stored
     first, second = ([{"role": "system", "content": document}, {"role": "user", "content": q}] for q in QUESTIONS[:2])
     client = openai.OpenAI(base_url=f"{reusing.url}/v1", api_key="unused", max_retries=0, timeout=120)
     before = reusing.fresh_stats()[reusing.store_stage]
