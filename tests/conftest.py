@@ -19,25 +19,37 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
-# Where the suite runs in workers (scripts/test.sh: ``--dist loadfile``), a worker takes one unit at a
-# time: a module, or one of these groups of modules, run one after another in one worker. A group's
-# modules share a session server that few other modules use (the colocated and the shm one): each
-# worker that ran one of them would start its own (a start took 7-10 s of CPU on an idle machine
-# before logging stopped importing transformers, 4.2 s after; an idle server 0.43-0.46 s of CPU in
-# 20 s while the worker lives).
-SHARED_SERVER_GROUPS = {
-    "colocated-and-shm-servers": ("test_prefix_reuse", "test_e2e_transports", "test_e2e", "test_e2e_sampling_api",
-                                  "test_simulate"),
+# The session's servers (below), each started on first use in a process and stopped once no test
+# ahead of it uses it, and the modules that use each.
+SESSION_SERVER_USERS = {
+    "shm_server": ("test_prefix_reuse", "test_e2e_transports"),
+    "colocated_server": ("test_prefix_reuse", "test_e2e", "test_e2e_sampling_api", "test_simulate"),
+    "default_server": ("test_prefix_reuse", "test_e2e", "test_e2e_sampling_api", "test_simulate", "test_metrics",
+                       "test_hostile_http", "test_hostile_control", "test_soak", "test_bench_serve"),
 }
+
+# Where the suite runs in workers (scripts/test.sh: ``--dist loadfile``), a worker takes one unit at a
+# time: a module, or one of these groups of modules, run one after another in one worker. The group
+# is every module that uses a session server, in an order where each server's users follow one
+# another (shm's first, then the colocated one's, then the default one's), so that one worker starts
+# each server once and stops it once its last user is done: where each worker that ran one of them started its own and kept it until
+# the session ended, a start took 3.5-4.2 s of CPU and an idle server 0.5 s every 30 s.
+SHARED_SERVER_GROUPS = {
+    "session-servers": ("test_e2e_transports", "test_prefix_reuse", "test_e2e", "test_e2e_sampling_api",
+                        "test_simulate", "test_metrics", "test_hostile_http", "test_hostile_control", "test_soak",
+                        "test_bench_serve"),
+}
+for _server, _users in SESSION_SERVER_USERS.items():  # (else a server stops between two of its users)
+    _places = sorted(SHARED_SERVER_GROUPS["session-servers"].index(module) for module in _users)
+    assert _places == list(range(_places[0], _places[-1] + 1)), f"{_server}'s users do not follow one another"
 UNIT_OF_MODULE = {module: group for group, modules in SHARED_SERVER_GROUPS.items() for module in modules}
 
 # The units that take longest start first (measured with --durations=0 in 3 workers), so that no long
 # one starts last, alone; the rest keep pytest's order.
-LONGEST_FIRST = (*SHARED_SERVER_GROUPS["colocated-and-shm-servers"], "test_e2e_ray", "test_engine", "test_e2e_disk_tier",
-                 "test_hostile_http", "test_e2e_failures", "test_e2e_hosts", "test_cache_aware",
-                 "test_e2e_kv_structural", "test_cli", "test_speculative", "test_e2e_kv_codecs", "test_bench_speculative",
-                 "test_e2e_models_by_path", "test_kernels", "test_examples", "test_transports", "test_e2e_scaler",
-                 "test_bench_serve")
+LONGEST_FIRST = (*SHARED_SERVER_GROUPS["session-servers"], "test_e2e_ray", "test_engine", "test_e2e_disk_tier",
+                 "test_e2e_failures", "test_e2e_hosts", "test_cache_aware", "test_e2e_kv_structural", "test_cli",
+                 "test_speculative", "test_e2e_kv_codecs", "test_bench_speculative", "test_e2e_models_by_path",
+                 "test_kernels", "test_examples", "test_transports", "test_e2e_scaler")
 
 
 def pytest_collection_modifyitems(items):
@@ -105,34 +117,79 @@ def transformers_model(model_dir):
     return load_transformers_model(model_dir)
 
 
-@pytest.fixture(scope="session")
-def default_server(tmp_path_factory, model_dir):
-    """One `pdflow run` of the default topology (disaggregated, tcp data plane, prefix cache on)
-    for the whole session: every module that needs no other shape shares it (each start costs
-    about 20 s). Tests leave it as they found it: no request in flight, no lease held. Its secret
-    is known (``default_server.keys()``), so a test can speak on its control plane as any replica.
-    One setting differs from the default: ``kv.direct``, so that every module on it runs the direct
-    path (prefill into decode's pool) for prompts with no stored prefix and the store's path for
-    the rest; the store's forwarding of every chunk is what every other server runs."""
-    with PdflowServer(tmp_path_factory.mktemp("pdflow"), server=DEFAULT_SERVER, kv={"direct": True}) as running:
-        yield running
+class SessionServers:
+    """The servers this process shares among modules (:data:`SESSION_SERVER_USERS`): each started
+    when a module first asks for it, and stopped after a test once the next test's module is not one
+    of its users (:func:`pytest_runtest_teardown`; again started should a later one ask)."""
+
+    SETTINGS = {
+        # the default topology (disaggregated, tcp data plane, prefix cache on) with one setting
+        # changed: ``kv.direct``, so that every module on it runs the direct path (prefill into
+        # decode's pool) for prompts with no stored prefix and the store's path for the rest; the
+        # store's forwarding of every chunk is what every other server runs
+        "default_server": {"server": DEFAULT_SERVER, "kv": {"direct": True}},
+        # the colocated baseline (one worker, chunked prefill of 64 tokens)
+        "colocated_server": COLOCATED,
+        # the default topology over shm links, where prefill computes the KV in the store's blocks
+        # and decode attends from them (zero copies)
+        "shm_server": {"transport": "shm"},
+    }
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.running: dict[str, PdflowServer] = {}
+
+    def get(self, name: str) -> PdflowServer:
+        if name not in self.running:
+            server = PdflowServer(self.tmp_path_factory.mktemp(name), **self.SETTINGS[name])
+            self.running[name] = server.__enter__()
+        return self.running[name]
+
+    def stop_unused(self, next_module: str | None) -> None:
+        for name in [name for name in self.running if next_module not in SESSION_SERVER_USERS[name]]:
+            self.running.pop(name).stop()
+
+    def stop(self) -> None:
+        self.stop_unused(None)
+
+
+_SESSION_SERVERS = pytest.StashKey[SessionServers]()
 
 
 @pytest.fixture(scope="session")
-def colocated_server(tmp_path_factory, model_dir):
-    """One `pdflow run` of the colocated baseline (one worker, chunked prefill of 64 tokens) for
-    the whole session, on the same terms as ``default_server``."""
-    with PdflowServer(tmp_path_factory.mktemp("pdflow-colocated"), **COLOCATED) as running:
-        yield running
+def session_servers(request, tmp_path_factory, model_dir):
+    servers = request.session.stash[_SESSION_SERVERS] = SessionServers(tmp_path_factory)
+    yield servers
+    servers.stop()
 
 
-@pytest.fixture(scope="session")
-def shm_server(tmp_path_factory, model_dir):
-    """One `pdflow run` of the default topology over shm links, where prefill computes the KV in
-    the store's blocks and decode attends from them (zero copies), for the whole session, on the
-    same terms as ``default_server`` (tests/test_e2e_transports.py restarts its kv-shuttle once)."""
-    with PdflowServer(tmp_path_factory.mktemp("pdflow-shm"), transport="shm") as running:
-        yield running
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # (the item's own fixtures torn down first)
+    if (servers := item.session.stash.get(_SESSION_SERVERS, None)) is not None:
+        servers.stop_unused(nextitem.path.stem if nextitem is not None else None)
+
+
+@pytest.fixture(scope="module")
+def default_server(session_servers):
+    """The default topology's `pdflow run` (disaggregated, tcp data plane, prefix cache on, and
+    ``kv.direct``), shared by every module that needs no other shape (:class:`SessionServers`).
+    Tests leave it as they found it: no request in flight, no lease held. Its secret is known
+    (``default_server.keys()``), so a test can speak on its control plane as any replica."""
+    return session_servers.get("default_server")
+
+
+@pytest.fixture(scope="module")
+def colocated_server(session_servers):
+    """The colocated baseline's `pdflow run`, on the same terms as ``default_server``."""
+    return session_servers.get("colocated_server")
+
+
+@pytest.fixture(scope="module")
+def shm_server(session_servers):
+    """The default topology over shm links (zero copies), on the same terms as ``default_server``
+    (tests/test_e2e_transports.py restarts its kv-shuttle once)."""
+    return session_servers.get("shm_server")
 
 
 def shared_server(request, deployment: str) -> PdflowServer:
