@@ -2,7 +2,7 @@
 by the client, none lost or failed, and afterwards nothing in flight, no lease held, and every
 stage's memory, threads and open files where they were (within a stated bound).
 
-Bounded for CI (``PDFLOW_SOAK_REQUESTS``, default 40); experiments/reliability.py runs thousands.
+Bounded for CI (``PDFLOW_SOAK_REQUESTS``, default 30); experiments/reliability.py runs thousands.
 """
 
 from __future__ import annotations
