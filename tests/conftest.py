@@ -32,8 +32,9 @@ SESSION_SERVER_USERS = {
 # time: a module, or one of these groups of modules, run one after another in one worker. The group
 # is every module that uses a session server, in an order where each server's users follow one
 # another (shm's first, then the colocated one's, then the default one's), so that one worker starts
-# each server once and stops it once its last user is done: where each worker that ran one of them started its own and kept it until
-# the session ended, a start took 3.5-4.2 s of CPU and an idle server 0.5 s every 30 s.
+# each server once and stops it once its last user is done. Before, each worker that ran one of them
+# started its own and kept it until the session ended (5 starts a run, now 3; a start takes 3.5-4.2 s
+# of CPU, an idle server 0.5 s every 30 s).
 SHARED_SERVER_GROUPS = {
     "session-servers": ("test_e2e_transports", "test_prefix_reuse", "test_e2e", "test_e2e_sampling_api",
                         "test_simulate", "test_metrics", "test_hostile_http", "test_hostile_control", "test_soak",
