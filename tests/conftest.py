@@ -20,9 +20,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 # The session's servers (below), each started on first use in a process and stopped once no test
-# ahead of it uses it, and the modules that use each.
+# ahead of it uses it, and the modules that use each, in the order they run (the group below).
 SESSION_SERVER_USERS = {
-    "shm_server": ("test_prefix_reuse", "test_e2e_transports"),
+    "shm_server": ("test_e2e_transports", "test_prefix_reuse"),
     "colocated_server": ("test_prefix_reuse", "test_e2e", "test_e2e_sampling_api", "test_simulate"),
     "default_server": ("test_prefix_reuse", "test_e2e", "test_e2e_sampling_api", "test_simulate", "test_metrics",
                        "test_hostile_http", "test_hostile_control", "test_soak", "test_bench_serve"),
@@ -31,15 +31,11 @@ SESSION_SERVER_USERS = {
 # Where the suite runs in workers (scripts/test.sh: ``--dist loadfile``), a worker takes one unit at a
 # time: a module, or one of these groups of modules, run one after another in one worker. The group
 # is every module that uses a session server, in an order where each server's users follow one
-# another (shm's first, then the colocated one's, then the default one's), so that one worker starts
+# another (shm's first, then the colocated one's, then the default one's: checked), so that one worker starts
 # each server once and stops it once its last user is done. Before, each worker that ran one of them
 # started its own and kept it until the session ended (5 starts a run, now 3; a start takes 3.5-4.2 s
 # of CPU, an idle server 0.5 s every 30 s).
-SHARED_SERVER_GROUPS = {
-    "session-servers": ("test_e2e_transports", "test_prefix_reuse", "test_e2e", "test_e2e_sampling_api",
-                        "test_simulate", "test_metrics", "test_hostile_http", "test_hostile_control", "test_soak",
-                        "test_bench_serve"),
-}
+SHARED_SERVER_GROUPS = {"session-servers": tuple(dict.fromkeys(sum(SESSION_SERVER_USERS.values(), ())))}
 for _server, _users in SESSION_SERVER_USERS.items():  # (else a server stops between two of its users)
     _places = sorted(SHARED_SERVER_GROUPS["session-servers"].index(module) for module in _users)
     assert _places == list(range(_places[0], _places[-1] + 1)), f"{_server}'s users do not follow one another"
