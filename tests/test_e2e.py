@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from pdflow.testing.local_http import local_http
 from pdflow.timeline import chrome_trace, kv_summary
 from tests.conftest import shared_server
 
@@ -140,7 +141,7 @@ def test_decode_receives_layer_0_before_prefill_finishes_its_last_layer(client, 
     )
     reply = client.completions.create(model="smollm2", prompt=long_prompt, temperature=0, max_tokens=2)
     assert reply.usage.prompt_tokens > 1500
-    timeline = httpx.get(f"{server.url}/debug/timeline/{reply.id}").json()
+    timeline = local_http().get(f"{server.url}/debug/timeline/{reply.id}").json()
     layers = len(timeline["prefill.layer_done"])
     assert layers == 30 and len(timeline["decode.layer_in"]) == layers
     # recorded with one monotonic clock on this host: layer 0 landed in decode's memory
@@ -242,7 +243,7 @@ LONG_PROMPT = "hello " * 9000
 )
 def test_bad_input_gets_400_naming_the_field(server, path, body, param, fragment):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    response = httpx.post(f"{server.url}{path}", headers={"content-type": "application/json"}, timeout=30,
+    response = local_http().post(f"{server.url}{path}", headers={"content-type": "application/json"}, timeout=30,
                           **kwargs)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

@@ -14,11 +14,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from pdflow.testing.faults import kill9
+from pdflow.testing.local_http import local_http
 from pdflow.testing.server import PdflowServer
 
 pytestmark = pytest.mark.e2e
@@ -113,7 +113,7 @@ def test_after_kill_9_of_kv_shuttle_a_queued_request_hits_its_blocks_on_disk_rea
         warm, cached, request_id = pool.submit(_ask, client, question).result()
         ahead.result()
     assert warm == cold and cached >= 4 * 64  # memory is new: every cached token came from disk
-    timeline = httpx.get(f"{server.url}/debug/timeline/{request_id}", timeout=10).json()
+    timeline = local_http().get(f"{server.url}/debug/timeline/{request_id}", timeout=10).json()
     waited = timeline["prefill.plan_in"][0] - timeline["prefill.dequeued"][0]
     assert waited < 0.005, f"prefill waited {waited * 1000:.1f} ms for a plan the queue should have hidden"
     # layer l attends over its prefix once that has landed, before layer l + 1's keys exist
@@ -144,7 +144,7 @@ def test_forgetting_a_conversation_and_then_everything(client, server):
     assert _ask(client, secret)[1] > 0
     _spilled(server)
     url = f"{server.url}/admin/kv/forget"
-    answer = httpx.post(url, json={"messages": [{"role": "user", "content": secret}]}, timeout=30)
+    answer = local_http().post(url, json={"messages": [{"role": "user", "content": secret}]}, timeout=30)
     assert answer.status_code == 200, answer.text
     body = answer.json()
     dropped = body["replicas"]["kv-shuttle-0"]
@@ -152,14 +152,14 @@ def test_forgetting_a_conversation_and_then_everything(client, server):
     assert dropped["memory_blocks"] >= 4 and dropped["disk_blocks"] >= 4
     assert _ask(client, secret)[1] == 0  # computed again from scratch
     _spilled(server)  # (its answer written back too)
-    everything = httpx.post(url, json={"all": True}, timeout=30).json()["replicas"]["kv-shuttle-0"]
+    everything = local_http().post(url, json={"all": True}, timeout=30).json()["replicas"]["kv-shuttle-0"]
     assert everything["memory_blocks"] > 0 and everything["disk_blocks"] > 0
     deadline = time.monotonic() + 10  # (/health's stats lag a heartbeat or two)
     while (stats := _stats(server))["disk_blocks"] or stats["blocks_cached"]:
         assert time.monotonic() < deadline, stats
     for body, field in (({}, "body"), ({"all": False}, "all"), ({"all": True, "prompt": "x"}, "all"),
                         ({"prompt": 5}, "prompt")):
-        refused = httpx.post(url, json=body, timeout=10)
+        refused = local_http().post(url, json=body, timeout=10)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
 
 

@@ -22,12 +22,12 @@ import asyncio
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from pdflow import transports
 from pdflow.testing.hosts import Cluster, hosts_topology
+from pdflow.testing.local_http import local_http
 from pdflow.testing.netns import Namespaces, unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
@@ -115,7 +115,7 @@ def test_the_kv_crosses_the_network_once_from_the_store_beside_prefill(cluster):
     from prometheus_client.parser import text_string_to_metric_families
 
     network = {(s.labels["stage"], s.labels["replica"], s.labels["peer"]): s.value
-               for family in text_string_to_metric_families(httpx.get(f"{cluster.url}/metrics", timeout=10).text)
+               for family in text_string_to_metric_families(local_http().get(f"{cluster.url}/metrics", timeout=10).text)
                if family.name == "pdflow_kv_network_bytes" for s in family.samples}
     assert network[("prefill", "0", "kv-shuttle")] == 0
     assert network[("kv-shuttle", "0", "decode")] == store["kv_network_bytes@decode"]

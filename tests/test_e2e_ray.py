@@ -26,6 +26,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray backend's tests need Ray (pip install 'pdflow[ray]')")
 
+from pdflow.testing.local_http import local_http  # noqa: E402
 from pdflow.testing.server import SECRET_ENV, free_port_base  # noqa: E402
 from pdflow.top import Scrape  # noqa: E402
 
@@ -147,7 +148,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, workdir: Path, also, timeout_
         if proc.poll() is not None:
             pytest.fail(f"pdflow run exited with {proc.returncode}:\n{(workdir / 'launcher.log').read_text()[-5000:]}")
         try:
-            r = httpx.get(f"{url}/health", timeout=5)
+            r = local_http().get(f"{url}/health", timeout=5)
             if r.status_code == 200 and also(r.json()):
                 return r.json()
         except (httpx.HTTPError, ValueError):
@@ -197,7 +198,7 @@ def test_every_replica_is_an_actor_on_its_hosts_node_and_the_pipeline_answers(pi
 
 def test_a_stage_killed_on_its_node_is_restarted_through_ray(pipeline, reference):
     url, proc, workdir = pipeline
-    pid = httpx.get(f"{url}/health", timeout=5).json()["stages"]["decode-0"]["pid"]
+    pid = local_http().get(f"{url}/health", timeout=5).json()["stages"]["decode-0"]["pid"]
     os.kill(pid, signal.SIGKILL)
     wait_healthy(url, proc, workdir, lambda body: body["stages"]["decode-0"]["restarts"] >= 1
                  and body["stages"]["decode-0"]["pid"] != pid)
@@ -209,7 +210,7 @@ def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
     url, proc, workdir = pipeline
 
     def decode_1() -> dict:
-        return httpx.get(f"{url}/health", timeout=5).json()["stages"]["decode-1"]
+        return local_http().get(f"{url}/health", timeout=5).json()["stages"]["decode-1"]
 
     async def burst() -> list[str]:  # a client per loop: asyncio.run makes a new one each time
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
@@ -220,7 +221,7 @@ def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
         return [r.choices[0].message.content for r in replies]
 
     def steps_of_decode_1() -> float:
-        return Scrape.parse(httpx.get(f"{url}/metrics", timeout=10).text, 0).value(
+        return Scrape.parse(local_http().get(f"{url}/metrics", timeout=10).text, 0).value(
             "pdflow_decode_steps_total", stage="decode", replica="1")
 
     assert decode_1()["state"] == "parked"
@@ -275,17 +276,17 @@ def test_a_node_going_away_is_a_dead_replica_until_a_node_for_its_host_joins(clu
     with 503 at once, rather than hanging), its new actor waits for a node offering
     ``decode-node``, and once one joins the replica starts there and the pipeline answers again."""
     url, proc, workdir = pipeline
-    pid = httpx.get(f"{url}/health", timeout=5).json()["stages"]["decode-0"]["pid"]
+    pid = local_http().get(f"{url}/health", timeout=5).json()["stages"]["decode-0"]["pid"]
     cluster.remove_node(cluster.hosts.pop("decode-node"), allow_graceful=False)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        body = httpx.get(f"{url}/health", timeout=5).json()
+        body = local_http().get(f"{url}/health", timeout=5).json()
         if "decode-0" in body.get("down", []):
             break
         time.sleep(0.5)
     else:
         pytest.fail(f"decode-0 was not declared down after its node went away: {body}")
-    refused = httpx.post(f"{url}/v1/completions", timeout=30,
+    refused = local_http().post(f"{url}/v1/completions", timeout=30,
                          json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2})
     assert refused.status_code == 503 and "decode" in refused.text, (refused.status_code, refused.text)
     cluster.hosts["decode-node"] = cluster.add_node(num_cpus=1, resources={"decode-node": 1})

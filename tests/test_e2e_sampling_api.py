@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
+from pdflow.testing.local_http import local_http
 from pdflow.top import Scrape
 from tests.conftest import shared_server
 
@@ -83,7 +83,7 @@ def test_completion_logprobs_agree_with_echoed_prompt_logprobs(client):
 
 def test_n_choices_share_the_prompt_kv_and_each_seed_repeats(client, server):
     def cached() -> float:
-        return Scrape.parse(httpx.get(f"{server.url}/metrics", timeout=10).text, 0).value(
+        return Scrape.parse(local_http().get(f"{server.url}/metrics", timeout=10).text, 0).value(
             "pdflow_cached_prompt_tokens_total")
 
     before = cached()
@@ -131,7 +131,7 @@ def test_streamed_choices_equal_the_whole_answers(ingress_client):
 
 def _ids(server, text: str) -> list[int]:
     body = {"prompt": text, "add_special_tokens": False}
-    return httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"]
+    return local_http().post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"]
 
 
 def test_penalties_bias_min_p_and_min_tokens_change_the_output(client, server):
@@ -195,14 +195,14 @@ def test_fields_not_honoured_are_refused_naming_them(ingress_client, fields: dic
 def test_tokenize_and_detokenize(ingress_client, ingress_server):
     client, server = ingress_client, ingress_server
     reply = client.chat.completions.create(model="smollm2", messages=FRANCE, max_tokens=1)
-    chat = httpx.post(f"{server.url}/tokenize", json={"messages": FRANCE}, timeout=30).json()
+    chat = local_http().post(f"{server.url}/tokenize", json={"messages": FRANCE}, timeout=30).json()
     assert chat["count"] == len(chat["tokens"]) == reply.usage.prompt_tokens and chat["max_model_len"] > 0
-    text = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello world", "return_token_strs": True},
+    text = local_http().post(f"{server.url}/tokenize", json={"prompt": "hello world", "return_token_strs": True},
                       timeout=30).json()
     assert "".join(text["token_strs"]) == "hello world"
-    back = httpx.post(f"{server.url}/detokenize", json={"tokens": text["tokens"]}, timeout=30).json()
+    back = local_http().post(f"{server.url}/detokenize", json={"tokens": text["tokens"]}, timeout=30).json()
     assert back == {"prompt": "hello world"}
-    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10**8]}, timeout=30)
+    bad = local_http().post(f"{server.url}/detokenize", json={"tokens": [10**8]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-    both = httpx.post(f"{server.url}/tokenize", json={"prompt": "a", "messages": FRANCE}, timeout=30)
+    both = local_http().post(f"{server.url}/tokenize", json={"prompt": "a", "messages": FRANCE}, timeout=30)
     assert both.status_code == 400

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import openai
 import pytest
 
+from pdflow.testing.local_http import local_http
 from pdflow.testing.server import PdflowServer, replicated_ports, replicated_topology
 from pdflow.top import Scrape
 
@@ -68,7 +68,7 @@ def test_a_burst_adds_replicas_that_serve_and_quiet_parks_them_with_every_answer
     seen: list[dict[str, str]] = []
     states = _states(server)
     assert states["decode-1"] == "parked" and states["prefill-1"] == "parked" and states["decode-0"] == "ready"
-    health = httpx.get(f"{server.url}/health", timeout=10)
+    health = local_http().get(f"{server.url}/health", timeout=10)
     assert health.status_code == 200  # parked replicas are as they should be
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -94,7 +94,7 @@ def test_a_burst_adds_replicas_that_serve_and_quiet_parks_them_with_every_answer
 
     # with both ready, a burst uses both
     def steps(replica: str) -> float:
-        return Scrape.parse(httpx.get(f"{server.url}/metrics", timeout=10).text, 0).value(
+        return Scrape.parse(local_http().get(f"{server.url}/metrics", timeout=10).text, 0).value(
             "pdflow_decode_steps_total", stage="decode", replica=replica)
 
     before = steps("1")

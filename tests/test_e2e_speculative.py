@@ -5,10 +5,10 @@ drafts were verified and kept (/health counts them), and stop rules still cut wh
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
+from pdflow.testing.local_http import local_http
 from pdflow.testing.reference import chat_ids, greedy_answer
 from pdflow.testing.server import PdflowServer
 from pdflow.top import Scrape
@@ -47,7 +47,7 @@ def test_greedy_answers_are_those_without_speculation(server, served_model):
     assert stats["speculative_accepted"] > 0 and stats["speculative_proposed"] >= stats["speculative_accepted"]
     assert stats["speculative_speculative_steps"] <= stats["speculative_steps"]
     # the same counts in vLLM's names, as the shipped dashboard reads them
-    scrape = Scrape.parse(httpx.get(f"{server.url}/metrics", timeout=10).text, 0.0)
+    scrape = Scrape.parse(local_http().get(f"{server.url}/metrics", timeout=10).text, 0.0)
     engine = {"model_name": "smollm2", "engine": "decode-0"}
     assert scrape.value("vllm:spec_decode_num_accepted_tokens_total", **engine) == stats["speculative_accepted"]
     assert scrape.value("vllm:spec_decode_num_draft_tokens_total", **engine) == stats["speculative_proposed"]

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from pdflow.testing.local_http import local_http
 from pdflow.testing.server import free_port_base
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +49,7 @@ def test_custom_stage_redacts_between_egress_and_ingress(tmp_path):
         while time.monotonic() < deadline:
             assert proc.poll() is None, (tmp_path / "example.log").read_text()[-3000:]
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json().get("status") == "ok":
+                if local_http().get(f"http://127.0.0.1:{port}/health", timeout=2).json().get("status") == "ok":
                     break
             except (httpx.HTTPError, ValueError):
                 pass
@@ -59,7 +60,7 @@ def test_custom_stage_redacts_between_egress_and_ingress(tmp_path):
             temperature=0, max_tokens=20)
         text = reply.choices[0].message.content
         assert "[redacted]" in text and "Paris" not in text, text
-        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+        health = local_http().get(f"http://127.0.0.1:{port}/health", timeout=2).json()
         assert "redact-0" in health["stages"]
     finally:
         proc.send_signal(signal.SIGTERM)

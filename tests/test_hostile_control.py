@@ -41,6 +41,7 @@ from pdflow.messages import (
 )
 from pdflow.runtime.bus import VERSION, Framing, client_security, launcher_framing
 from pdflow.security.keys import PipelineKeys, new_secret
+from pdflow.testing.local_http import local_http
 
 pytestmark = pytest.mark.e2e
 
@@ -80,7 +81,7 @@ def _settle(server, counter: str, above: int, timeout_s: float = 5.0) -> int:
 
 
 def _ask(server, max_tokens: int = 4) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/completions", timeout=60,
+    return local_http().post(f"{server.url}/v1/completions", timeout=60,
                       json={"prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0})
 
 

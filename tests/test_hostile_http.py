@@ -20,6 +20,8 @@ import time
 import httpx
 import pytest
 
+from pdflow.testing.local_http import local_http
+
 pytestmark = pytest.mark.e2e
 
 FUZZ_EXAMPLES = int(os.environ.get("PDFLOW_FUZZ_EXAMPLES", "20"))
@@ -45,7 +47,7 @@ def _in_flight(server) -> int:
     ("/v1/completions", {"prompt": ["a", "\x16"]}, "prompt.1"),
 ])
 def test_out_of_range_values_are_400s_naming_the_field_and_hold_no_slot(server, path, body, param):
-    response = httpx.post(server.url + path, json=body, timeout=30)
+    response = local_http().post(server.url + path, json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert _in_flight(server) == 0
@@ -55,21 +57,22 @@ def test_out_of_range_values_are_400s_naming_the_field_and_hold_no_slot(server, 
                                    {"temperature": 2.0, "top_p": 5e-324, "seed": -(2**63)}])
 def test_edge_values_that_are_accepted_are_served(server, extra):
     body = {"messages": USER, "max_tokens": 3, **extra}
-    response = httpx.post(server.url + CHAT, json=body, timeout=60)
+    response = local_http().post(server.url + CHAT, json=body, timeout=60)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(server):
     big = json.dumps({"messages": [{"role": "user", "content": "a" * (2 * 2**20)}]}).encode()
-    declared = httpx.post(server.url + CHAT, content=big, headers={"content-type": "application/json"}, timeout=30)
+    declared = local_http().post(server.url + CHAT, content=big, headers={"content-type": "application/json"},
+                                 timeout=30)
     assert declared.status_code == 413 and declared.json()["error"]["param"] == "body"
 
     def chunks():  # no Content-Length: counted as it arrives
         for i in range(0, len(big), 65536):
             yield big[i:i + 65536]
 
-    streamed = httpx.post(server.url + CHAT, content=chunks(), headers={"content-type": "application/json"},
+    streamed = local_http().post(server.url + CHAT, content=chunks(), headers={"content-type": "application/json"},
                           timeout=30)
     assert streamed.status_code == 413 and streamed.json()["error"]["param"] == "body"
     assert _in_flight(server) == 0
@@ -84,7 +87,7 @@ def _health_while(server, request) -> tuple[httpx.Response, float]:
     slowest = 0.0
     while worker.is_alive():
         start = time.monotonic()
-        httpx.get(server.url + "/health", timeout=30)
+        local_http().get(server.url + "/health", timeout=30)
         slowest = max(slowest, time.monotonic() - start)
         time.sleep(0.02)
     worker.join()
@@ -94,7 +97,7 @@ def _health_while(server, request) -> tuple[httpx.Response, float]:
 def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(server):
     text = "word " * 180_000  # 900 kB: under the body limit, at least 11,000 tokens by the cheap bound
     start = time.monotonic()
-    response = httpx.post(server.url + CHAT, json={"messages": [{"role": "user", "content": text}]}, timeout=60)
+    response = local_http().post(server.url + CHAT, json={"messages": [{"role": "user", "content": text}]}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert time.monotonic() - start < 2.0
     assert "at least" in response.json()["error"]["message"]
@@ -102,7 +105,7 @@ def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(server):
 
 def test_too_many_messages_are_refused_before_templating(server):
     messages = [{"role": "user", "content": "hi"}] * 25_001  # this server's max_messages is 25,000
-    response = httpx.post(server.url + CHAT, json={"messages": messages}, timeout=60)
+    response = local_http().post(server.url + CHAT, json={"messages": messages}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
     assert "max_messages" in response.json()["error"]["message"]
 
@@ -111,7 +114,7 @@ def test_many_messages_are_templated_off_the_event_loop(server):
     """20,000 messages (under the body limit, under the cheap bound, under max_messages) must be
     templated and tokenized to be refused; /health keeps answering meanwhile."""
     messages = [{"role": "user", "content": "hi"}] * 20_000
-    response, slowest = _health_while(server, lambda: httpx.post(server.url + CHAT, json={"messages": messages},
+    response, slowest = _health_while(server, lambda: local_http().post(server.url + CHAT, json={"messages": messages},
                                                                   timeout=120))
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert slowest < 1.0, f"/health took {slowest:.2f} s while the messages were tokenized"
@@ -129,7 +132,7 @@ def test_a_connection_that_never_sends_its_headers_is_closed(server):
 
 
 def test_the_openapi_document_is_complete(server):
-    document = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    document = local_http().get(server.url + "/openapi.json", timeout=10).json()
     schemas = document["components"]["schemas"]
     refs = []
 
@@ -217,7 +220,7 @@ def test_schemathesis_finds_no_server_error(server):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
               positive_data_acceptance]
-    valid_body = _body_validator(httpx.get(server.url + "/openapi.json", timeout=10).json())
+    valid_body = _body_validator(local_http().get(server.url + "/openapi.json", timeout=10).json())
     failures = []
     calls = 0
     operations = [result.ok() for result in schema.get_all_operations()]

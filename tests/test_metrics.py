@@ -9,7 +9,6 @@ import sys
 import time
 import types
 
-import httpx
 import openai
 import pytest
 
@@ -17,6 +16,7 @@ from pdflow import Pipeline
 from pdflow.messages import Route
 from pdflow.serving.metrics import ServingMetrics
 from pdflow.stages.ingress import PendingRequest
+from pdflow.testing.local_http import local_http
 from pdflow.top import Scrape, quantile, render
 from tests.conftest import shared_server
 from tests.grafana import ONLY_WITH_SPECULATION, dashboard_metrics, scraped_series
@@ -166,7 +166,7 @@ def test_a_pipeline_counts_what_it_served_and_top_shows_it(request):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def scrape() -> Scrape:
-        response = httpx.get(f"{server.url}/metrics", timeout=10)
+        response = local_http().get(f"{server.url}/metrics", timeout=10)
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
         return Scrape.parse(response.text, time.monotonic())
 
@@ -180,7 +180,8 @@ def test_a_pipeline_counts_what_it_served_and_top_shows_it(request):
                                             max_tokens=6, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     tokens += [chunk for chunk in stream][-1].usage.completion_tokens
-    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "n": 9}, timeout=30).status_code == 400
+    refused = local_http().post(f"{server.url}/v1/completions", json={"prompt": "x", "n": 9}, timeout=30)
+    assert refused.status_code == 400
 
     def grew(name: str, **labels) -> float:
         return now.value(name, **labels) - before.value(name, **labels)
@@ -244,7 +245,7 @@ def test_every_series_the_grafana_dashboard_reads_is_in_a_scrape_of_a_serving_pi
     wanted = dashboard_metrics() - ONLY_WITH_SPECULATION
     deadline = time.monotonic() + 15
     while True:  # the stages' series come with their next heartbeats
-        missing = wanted - scraped_series(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        missing = wanted - scraped_series(local_http().get(f"{server.url}/metrics", timeout=10).text)
         if not missing or time.monotonic() > deadline:
             break
         time.sleep(0.3)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from pdflow.testing.local_http import local_http
 from pdflow.testing.netns import Namespaces
 
 __all__ = ["Cluster", "hosts_topology"]
@@ -108,7 +109,7 @@ class Cluster:
 
     def health(self) -> tuple[int, dict]:
         try:
-            r = httpx.get(f"{self.url}/health", timeout=5)
+            r = local_http().get(f"{self.url}/health", timeout=5)
             return r.status_code, r.json()
         except (httpx.HTTPError, ValueError):
             return 0, {}

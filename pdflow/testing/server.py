@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from pdflow.runtime.launcher import ephemeral_port_range
+from pdflow.testing.local_http import local_http
 
 _PORTS = 11  # server, control (2), five stage control ports, three data ports
 SECRET_ENV = "PDFLOW_SECRET"
@@ -293,7 +294,7 @@ class PdflowServer:
 
     def health(self) -> dict | None:
         try:
-            return httpx.get(f"{self.url}/health", timeout=2).json()
+            return local_http().get(f"{self.url}/health", timeout=2).json()
         except (httpx.HTTPError, ValueError):
             return None
 
