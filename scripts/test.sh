@@ -11,7 +11,8 @@ PDFLOW_EXTRAS=${PDFLOW_EXTRAS:-test,ucx,ray} scripts/setup.sh
 # units out first). One worker more than there are cores: much of an end-to-end test is waiting (a
 # server starting, a heartbeat, a timeout), which another worker fills. On the 2-core machine, once
 # (a smaller suite): 722 s in one process, 543 s in 2 workers, 436 s in 3; on 2026-12-07, 1,331
-# tests in 3 workers: 531 s, with about 1,020 s of CPU (/proc/stat), 92% of both cores.
+# tests in 3 workers: 513 s with 1,001 s of CPU (/proc/stat); then 432 s with 833 s (and 442-474 s in
+# three more runs) once the tests' HTTP calls shared one client (pdflow.testing.local_http).
 workers=${PDFLOW_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 # The plug-ins the suite uses, named rather than found: pytest rewrites the asserts of every module
 # of every installed plug-in's package (schemathesis, hypothesis and anyio ship plug-ins the suite
