@@ -244,7 +244,7 @@ LONG_PROMPT = "hello " * 9000
 def test_bad_input_gets_400_naming_the_field(server, path, body, param, fragment):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     response = local_http().post(f"{server.url}{path}", headers={"content-type": "application/json"}, timeout=30,
-                          **kwargs)
+                                 **kwargs)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param

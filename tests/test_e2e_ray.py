@@ -287,7 +287,7 @@ def test_a_node_going_away_is_a_dead_replica_until_a_node_for_its_host_joins(clu
     else:
         pytest.fail(f"decode-0 was not declared down after its node went away: {body}")
     refused = local_http().post(f"{url}/v1/completions", timeout=30,
-                         json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2})
+                                json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2})
     assert refused.status_code == 503 and "decode" in refused.text, (refused.status_code, refused.text)
     cluster.hosts["decode-node"] = cluster.add_node(num_cpus=1, resources={"decode-node": 1})
     wait_healthy(url, proc, workdir, lambda body: body["stages"]["decode-0"]["pid"] not in (None, 0, pid)

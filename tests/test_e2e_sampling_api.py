@@ -198,7 +198,7 @@ def test_tokenize_and_detokenize(ingress_client, ingress_server):
     chat = local_http().post(f"{server.url}/tokenize", json={"messages": FRANCE}, timeout=30).json()
     assert chat["count"] == len(chat["tokens"]) == reply.usage.prompt_tokens and chat["max_model_len"] > 0
     text = local_http().post(f"{server.url}/tokenize", json={"prompt": "hello world", "return_token_strs": True},
-                      timeout=30).json()
+                             timeout=30).json()
     assert "".join(text["token_strs"]) == "hello world"
     back = local_http().post(f"{server.url}/detokenize", json={"tokens": text["tokens"]}, timeout=30).json()
     assert back == {"prompt": "hello world"}

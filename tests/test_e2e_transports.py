@@ -60,7 +60,7 @@ def test_same_answers_alone_and_together(server):
 def test_layers_stream_while_prefill_computes(server):
     prompt = "Summarize: " + " ".join(f"item {i} shipped on day {i % 30} in good order." for i in range(120))
     reply = local_http().post(f"{server.url}/v1/completions", timeout=120,
-                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0}).json()
+                              json={"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0}).json()
     timeline = local_http().get(f"{server.url}/debug/timeline/{reply['id']}").json()
     assert len(timeline["decode.layer_in"]) == 30
     assert timeline["decode.layer_in"][0] < timeline["prefill.layer_done"][-1]

@@ -82,7 +82,7 @@ def _settle(server, counter: str, above: int, timeout_s: float = 5.0) -> int:
 
 def _ask(server, max_tokens: int = 4) -> httpx.Response:
     return local_http().post(f"{server.url}/v1/completions", timeout=60,
-                      json={"prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0})
+                             json={"prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0})
 
 
 class _Peer:

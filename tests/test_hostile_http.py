@@ -73,7 +73,7 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(server):
             yield big[i:i + 65536]
 
     streamed = local_http().post(server.url + CHAT, content=chunks(), headers={"content-type": "application/json"},
-                          timeout=30)
+                                 timeout=30)
     assert streamed.status_code == 413 and streamed.json()["error"]["param"] == "body"
     assert _in_flight(server) == 0
 
@@ -115,7 +115,7 @@ def test_many_messages_are_templated_off_the_event_loop(server):
     templated and tokenized to be refused; /health keeps answering meanwhile."""
     messages = [{"role": "user", "content": "hi"}] * 20_000
     response, slowest = _health_while(server, lambda: local_http().post(server.url + CHAT, json={"messages": messages},
-                                                                  timeout=120))
+                                                                        timeout=120))
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert slowest < 1.0, f"/health took {slowest:.2f} s while the messages were tokenized"
     assert server.healthy() and _in_flight(server) == 0
