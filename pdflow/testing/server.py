@@ -27,20 +27,40 @@ _PORTS = 11  # server, control (2), five stage control ports, three data ports
 SECRET_ENV = "PDFLOW_SECRET"
 
 
+# Ray starts its workers on ports from 10002 to 19999 (its min_worker_port and max_worker_port)
+_LOWEST_PORT = 20000
+# The ranges this process has handed out: a port is free only until its server binds it, and a
+# replica the scaler starts later (parked at first) binds it later still, so a second check would
+# find it free and hand it out again.
+_HANDED_OUT: list[range] = []
+
+
 def free_port_base(count: int = _PORTS) -> int:
     """A run of ``count`` free ports below the kernel's ephemeral range: a port inside it can be
     taken, while its stage is down, by a peer's own reconnecting socket (TCP connects to itself
     when its source port happens to equal the port it dials), and the restarted stage could not
-    bind it again."""
+    bind it again. None of them overlaps a run this process handed out before, and in a
+    pytest-xdist worker each run comes from that worker's own share of the ports (workers start
+    servers side by side, each checking ports another's parked replica has not bound yet)."""
+    low, high = _LOWEST_PORT, ephemeral_port_range()[0] - count
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker[2:].isdigit() and workers.isdigit() and int(workers) > 1:
+        share = (high - low) // int(workers)
+        low += int(worker[2:]) * share
+        high = low + share - count
     for _ in range(200):
-        base = random.randrange(10000, ephemeral_port_range()[0] - count)
+        base = random.randrange(low, high)
+        ports = range(base, base + count)
+        if any(ports.start < taken.stop and taken.start < ports.stop for taken in _HANDED_OUT):
+            continue
         try:
-            for port in range(base, base + count):
+            for port in ports:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
-            return base
         except OSError:
             continue
+        _HANDED_OUT.append(ports)
+        return base
     raise RuntimeError("no free port range found")
 
 
