@@ -33,8 +33,8 @@ SESSION_SERVER_USERS = {
 # is every module that uses a session server, in an order where each server's users follow one
 # another (shm's first, then the colocated one's, then the default one's: checked), so that one worker starts
 # each server once and stops it once its last user is done. Before, each worker that ran one of them
-# started its own and kept it until the session ended (5 starts a run, now 3; a start takes 3.5-4.2 s
-# of CPU, an idle server 0.5 s every 30 s).
+# started its own and kept it until the session ended (5 starts a run, now 3; a start takes about
+# 4.6 s of CPU in its processes, an idle server 0.47 s every 20 s).
 SHARED_SERVER_GROUPS = {"session-servers": tuple(dict.fromkeys(sum(SESSION_SERVER_USERS.values(), ())))}
 for _server, _users in SESSION_SERVER_USERS.items():  # (else a server stops between two of its users)
     _places = sorted(SHARED_SERVER_GROUPS["session-servers"].index(module) for module in _users)

@@ -5,6 +5,8 @@ that the port is free cannot see that another server owns it.)"""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from pdflow.runtime.launcher import ephemeral_port_range
@@ -13,7 +15,8 @@ from pdflow.testing import server
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    monkeypatch.setattr(server, "_HANDED_OUT", [])  # (not the runs this worker's servers hold)
+    # (not the runs this worker's own servers hold)
+    monkeypatch.setattr(server, "_HANDED_OUT", collections.deque(maxlen=64))
 
 
 def test_a_process_never_hands_out_a_port_twice(monkeypatch):

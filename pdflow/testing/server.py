@@ -7,6 +7,7 @@ and speak on the control plane as that replica.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -29,10 +30,10 @@ SECRET_ENV = "PDFLOW_SECRET"
 
 # Ray starts its workers on ports from 10002 to 19999 (its min_worker_port and max_worker_port)
 _LOWEST_PORT = 20000
-# The ranges this process has handed out: a port is free only until its server binds it, and a
+# The ranges this process handed out lately: a port is free only until its server binds it, and a
 # replica the scaler starts later (parked at first) binds it later still, so a second check would
-# find it free and hand it out again.
-_HANDED_OUT: list[range] = []
+# find it free and hand it out again. (The latest 64: a long sweep of servers must not run out.)
+_HANDED_OUT: collections.deque[range] = collections.deque(maxlen=64)
 
 
 def free_port_base(count: int = _PORTS) -> int:
