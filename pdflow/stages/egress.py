@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from pdflow.tokenizing import load_tokenizer
+from pdflow.tokenizing import load_serving_tokenizer
 from pdflow.messages import EgressRequest, StopRequest, Tokens
 from pdflow.runtime.stage import Stage, Submission
 from pdflow.serving.text_stream import TextStream
@@ -43,7 +43,9 @@ class EgressStage(Stage):
                              s.skip_special_tokens, s.route, list(s.resume_ids), s.resume_chars)
 
     async def setup(self) -> None:
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ctx.model_dir)
+        self.tokenizer, why = await asyncio.to_thread(load_serving_tokenizer, self.ctx.model_dir)
+        if why:
+            self.log.info("tokenizer.transformers", reason=why)
 
     def handlers(self):
         return {EgressRequest: self.on_request, Tokens: self.on_tokens}

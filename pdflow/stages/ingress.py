@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from pdflow import routing
 from pdflow.routing import locality
-from pdflow.tokenizing import load_tokenizer, model_limits
+from pdflow.tokenizing import load_serving_tokenizer, model_limits
 from pdflow.kv.blocks import BlockHasher
 from pdflow.kv.holdings import Holdings
 from pdflow.messages import (
@@ -99,7 +99,9 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
                         TextDelta: wired_to(self.pipeline, "ingress", "text")}
 
         model_dir = self.ctx.model_dir
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        self.tokenizer, why = await asyncio.to_thread(load_serving_tokenizer, model_dir)
+        if why:
+            self.log.info("tokenizer.transformers", reason=why)
         max_positions, vocab_size = await asyncio.to_thread(model_limits, model_dir)
         self.max_context = self.pipeline.model.context(max_positions)
         self.prompts = await asyncio.to_thread(PromptBuilder, self.tokenizer, self.max_context,
