@@ -12,6 +12,7 @@ import pytest
 
 from pdflow.kv.holdings import Holdings, Journal, pack_ids, short_id, unpack_ids
 from pdflow.routing import ReplicaStatus, RoutingRequest, create
+from pdflow.testing.local_http import openai_client
 from pdflow.testing.routers import AwayRouter
 
 
@@ -122,8 +123,6 @@ def _conversations(router, replicas: int = 2, silent: int | None = None, **optio
                 .with_ports(free_port_base()))
 
     async def main():
-        import openai
-
         async with LocalPipeline(pipeline) as running:
             if silent is not None:
                 store = running.stage("kv_shuttle", silent)
@@ -135,7 +134,7 @@ def _conversations(router, replicas: int = 2, silent: int | None = None, **optio
                     ignored.append(message)
 
                 store._serve_fetch = once_silent
-            client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+            client = openai_client(running.url, asynchronous=True)
             turns = []
             for first in ("Describe the sea.", "Describe a forest."):
                 messages = [{"role": "user", "content": first}]

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from pdflow.testing.local_http import local_http
+from pdflow.testing.local_http import local_http, openai_client
 from pdflow.timeline import chrome_trace, kv_summary
 from tests.conftest import shared_server
 
@@ -42,12 +42,12 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def aclient(server):
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+    return openai_client(server.url, asynchronous=True, timeout=180)
 
 
 def test_chat_completion_answers_paris(client):

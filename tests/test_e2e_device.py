@@ -6,10 +6,10 @@ Runs only where CUDA is (scripts/device_check.sh on the device machine); skipped
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
 
+from pdflow.testing.local_http import openai_client
 from pdflow.testing.reference import chat_ids, greedy_answer
 from pdflow.testing.server import PdflowServer, topology_text
 
@@ -30,7 +30,7 @@ def _on_cuda(base: int) -> str:
 def test_greedy_answers_on_cuda_equal_the_cpu_engines(tmp_path, loaded_model):
     loaded, tokenizer = loaded_model  # fp32 weights, on the CPU
     with PdflowServer(tmp_path, topology=_on_cuda) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(server.url, timeout=120)
         for question in QUESTIONS:
             reply = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=MAX_TOKENS,
                                                    messages=[{"role": "user", "content": question}])

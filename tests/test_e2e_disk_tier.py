@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pdflow.testing.faults import kill9
-from pdflow.testing.local_http import local_http
+from pdflow.testing.local_http import local_http, openai_client
 from pdflow.testing.server import PdflowServer
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +51,7 @@ def server(tmp_path_factory, disk_dir, model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def _ask(client, text: str, max_tokens: int = 12, **extra) -> tuple[str, int, str]:

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from pdflow.testing import faults
+from pdflow.testing.local_http import openai_client
 from pdflow.testing.server import FRONT_DOOR_PORTS, PdflowServer, front_doors_topology, held
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +55,7 @@ def server(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server.url, timeout=60)
 
 
 MIGRATED_TOKENS = 32
@@ -196,7 +197,7 @@ def test_killing_one_of_two_front_doors_loses_none_of_the_other_s_streams(server
         results[i] = {"door": door, "text": "", "tries": 0}
         for _ in range(len(doors)):  # a request whose door died is retried on the next one
             results[i]["tries"] += 1
-            client = openai.OpenAI(base_url=f"{door}/v1", api_key="unused", max_retries=0, timeout=60)
+            client = openai_client(door, timeout=60)
             try:
                 text, first = "", True
                 for chunk in client.chat.completions.create(model="smollm2", messages=STORY, temperature=0,
@@ -218,7 +219,7 @@ def test_killing_one_of_two_front_doors_loses_none_of_the_other_s_streams(server
         thread.start()
     started.wait(60)  # every stream has its first token
     old = faults.kill9(server, "ingress-1")
-    client = openai.OpenAI(base_url=f"{doors[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai_client(doors[0], timeout=60)
     reply = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=4)
     assert reply.choices[0].finish_reason == "length"  # the survivor took it at once
     for thread in threads:
@@ -233,7 +234,7 @@ def test_killing_one_of_two_front_doors_loses_none_of_the_other_s_streams(server
     assert faults.wait_replaced(server, "ingress-1", old, 120) is not None, server.log()
     faults.settled(server)  # what the stages held for the dead door's requests is gone
     assert "requests.orphaned" in server.log()
-    again = openai.OpenAI(base_url=f"{doors[1]}/v1", api_key="unused", max_retries=0, timeout=60)
+    again = openai_client(doors[1], timeout=60)
     assert again.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0,
                                          max_tokens=4).choices[0].finish_reason == "length"
 

@@ -22,12 +22,11 @@ import asyncio
 import time
 from pathlib import Path
 
-import openai
 import pytest
 
 from pdflow import transports
 from pdflow.testing.hosts import Cluster, hosts_topology
-from pdflow.testing.local_http import local_http
+from pdflow.testing.local_http import local_http, openai_client
 from pdflow.testing.netns import Namespaces, unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
@@ -73,7 +72,7 @@ def cluster(tmp_path_factory):
 
 
 def ask(cluster: Cluster, count: int = 2) -> list[str]:
-    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(cluster.url, timeout=120)
     return [client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
                                            temperature=0, max_tokens=12).choices[0].message.content
             for _ in range(count)]
@@ -99,7 +98,7 @@ def test_stages_on_five_hosts_answer_as_the_engine_does_over_their_addresses(clu
 
 
 def test_the_kv_crosses_the_network_once_from_the_store_beside_prefill(cluster):
-    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(cluster.url, timeout=120)
     reply = client.completions.create(model="smollm2", prompt="Count on and on: one, two, three,", temperature=0,
                                       max_tokens=140, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 140  # past two blocks of 64: decode writes its answer's back
@@ -125,8 +124,7 @@ def test_the_scaler_starts_a_replica_on_its_host_and_parks_it_there(cluster, ref
     assert cluster.health()[1]["stages"]["prefill-1"]["state"] == "parked"
 
     async def burst() -> list[str]:  # a client per loop: asyncio.run makes a new one each time
-        async with openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0,
-                                      timeout=120) as client:
+        async with openai_client(cluster.url, asynchronous=True, timeout=120) as client:
             replies = await asyncio.gather(*(client.chat.completions.create(
                 model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=12)
                 for _ in range(8)))

@@ -7,9 +7,9 @@ prompt's KV after the codec, and a later turn reuses the stored prefix."""
 from __future__ import annotations
 
 
-import openai
 import pytest
 
+from pdflow.testing.local_http import openai_client
 from pdflow.testing.reference import chat_ids, greedy_answer
 from pdflow.testing.server import PdflowServer
 
@@ -39,7 +39,7 @@ def _reference(served_model, question: str, max_tokens: int) -> str:
 
 
 def test_answers_are_those_of_the_kv_after_the_codec(server, served_model):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.url, timeout=120)
     for question in QUESTIONS:
         reply = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
                                                temperature=0, max_tokens=16)
@@ -58,7 +58,7 @@ def test_answers_are_those_of_the_kv_after_the_codec(server, served_model):
 
 
 def test_a_later_turn_reuses_the_stored_prefix_through_the_codec(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.url, timeout=120)
     history = [{"role": "user", "content": "Tell me about the ocean. " * 30}]
     first = client.chat.completions.create(model="smollm2", messages=history, temperature=0, max_tokens=12)
     history += [{"role": "assistant", "content": first.choices[0].message.content},

@@ -8,9 +8,9 @@ the one the engine in this process gives from the same kept KV, the store keeps 
 from __future__ import annotations
 
 
-import openai
 import pytest
 
+from pdflow.testing.local_http import openai_client
 from pdflow.testing.reference import chat_ids, greedy_answer
 from pdflow.testing.server import PdflowServer
 
@@ -51,7 +51,7 @@ def test_decode_answers_from_what_the_codec_keeps(server, served_model):
     messages = [{"role": "user", "content": QUESTION}]
     ids = chat_ids(tokenizer, QUESTION)
     assert len(ids) > 4 * BLOCK
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.url, timeout=120)
     reply = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=20)
     assert reply.choices[0].message.content == _reference(served_model, server.codec, ids, 20)
     # the same prompt again: its prefix comes from the store, whole (prefill needs it all); decode
@@ -77,7 +77,7 @@ def test_decode_answers_from_what_the_codec_keeps(server, served_model):
 def test_the_answer_kv_is_not_stored(server, served_model):
     """Decode computed the answer without part of the prompt's KV: that is not the answer's KV,
     so it does not go into the store; the prompt's own blocks do."""
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.url, timeout=120)
     first = [{"role": "user", "content": "Tell me about the ocean. " * 30}]
     reply = client.chat.completions.create(model="smollm2", messages=first, temperature=0, max_tokens=70)
     answer = reply.choices[0].message.content

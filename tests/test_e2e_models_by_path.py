@@ -9,10 +9,10 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-import openai
 import pytest
 import torch
 
+from pdflow.testing.local_http import openai_client
 from pdflow.testing.server import PdflowServer
 from pdflow.testing.tiny_gguf import tiny_model, write_gguf
 
@@ -51,7 +51,7 @@ def test_a_gguf_file_is_served_with_transformers_greedy_output(arch, mode, model
     _share_the_kernels(tmp_path / "cache")
     flags = ("--model", str(gguf_file), "--set", 'model.weights="fp32"', "--served-model-name", "tiny")
     with PdflowServer(tmp_path, args=flags, env={"PDFLOW_CACHE_DIR": str(tmp_path / "cache")}, **kwargs) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(server.url, timeout=120)
         reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
                                           extra_body={"ignore_eos": True})
         assert reply.choices[0].text == expected

@@ -21,12 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray backend's tests need Ray (pip install 'pdflow[ray]')")
 
-from pdflow.testing.local_http import local_http  # noqa: E402
+from pdflow.testing.local_http import local_http, openai_client  # noqa: E402
 from pdflow.testing.server import SECRET_ENV, free_port_base  # noqa: E402
 from pdflow.top import Scrape  # noqa: E402
 
@@ -158,7 +157,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, workdir: Path, also, timeout_
 
 
 def ask(url: str) -> str:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(url, timeout=120)
     return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
                                           temperature=0, max_tokens=12).choices[0].message.content
 
@@ -213,8 +212,7 @@ def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
         return local_http().get(f"{url}/health", timeout=5).json()["stages"]["decode-1"]
 
     async def burst() -> list[str]:  # a client per loop: asyncio.run makes a new one each time
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                                      timeout=120) as client:
+        async with openai_client(url, asynchronous=True, timeout=120) as client:
             replies = await asyncio.gather(*(client.chat.completions.create(
                 model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40,
                 extra_body={"ignore_eos": True}) for _ in range(8)))
@@ -225,7 +223,7 @@ def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
             "pdflow_decode_steps_total", stage="decode", replica="1")
 
     assert decode_1()["state"] == "parked"
-    alone = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120).chat.completions.create(
+    alone = openai_client(url, timeout=120).chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40,
         extra_body={"ignore_eos": True}).choices[0].message.content
 
@@ -233,7 +231,7 @@ def test_the_scaler_starts_an_actor_and_parks_it(pipeline):
         """One answer after another until ``stop``: decode's batch is never empty for long, so the
         scaler keeps decode-1 once it is ready (it parks a ready replica after 1.5 s with no
         request at all; a joining one it never parks)."""
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(url, timeout=120)
         while not stop.is_set():
             client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
                                            temperature=0, max_tokens=200, extra_body={"ignore_eos": True})

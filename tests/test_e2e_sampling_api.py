@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from pdflow.testing.local_http import local_http
+from pdflow.testing.local_http import local_http, openai_client
 from pdflow.top import Scrape
 from tests.conftest import shared_server
 
@@ -29,7 +29,7 @@ def server(request):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def ingress_server(request):
 
 @pytest.fixture(scope="module")
 def ingress_client(ingress_server):
-    return openai.OpenAI(base_url=f"{ingress_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(ingress_server.url, timeout=120)
 
 
 def test_chat_logprobs_and_top_logprobs(client):

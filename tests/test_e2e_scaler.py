@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-import openai
 import pytest
 
-from pdflow.testing.local_http import local_http
+from pdflow.testing.local_http import local_http, openai_client
 from pdflow.testing.server import PdflowServer, replicated_ports, replicated_topology
 from pdflow.top import Scrape
 
@@ -71,13 +70,13 @@ def test_a_burst_adds_replicas_that_serve_and_quiet_parks_them_with_every_answer
     health = local_http().get(f"{server.url}/health", timeout=10)
     assert health.status_code == 200  # parked replicas are as they should be
 
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.url, timeout=120)
     alone = {q: client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=40,
         extra_body={"ignore_eos": True}).choices[0].message.content for q in QUESTIONS}
 
     async def load(rounds_while) -> list[tuple[str, str]]:
-        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+        aclient = openai_client(server.url, asynchronous=True, timeout=180)
         answers = []
         while rounds_while():
             batch = await asyncio.gather(*(_ask(aclient, q) for q in QUESTIONS))

@@ -5,10 +5,9 @@ drafts were verified and kept (/health counts them), and stop rules still cut wh
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from pdflow.testing.local_http import local_http
+from pdflow.testing.local_http import local_http, openai_client
 from pdflow.testing.reference import chat_ids, greedy_answer
 from pdflow.testing.server import PdflowServer
 from pdflow.top import Scrape
@@ -32,7 +31,7 @@ def server(request, tmp_path_factory):
 
 
 def test_greedy_answers_are_those_without_speculation(server, served_model):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.url, timeout=120)
     for question in QUESTIONS:
         reply = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
                                                temperature=0, max_tokens=48)
@@ -56,7 +55,7 @@ def test_greedy_answers_are_those_without_speculation(server, served_model):
 
 
 def test_a_stop_string_inside_a_kept_draft_still_ends_the_answer(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.url, timeout=120)
     full = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}],
                                           temperature=0, max_tokens=40).choices[0].message.content
     word = full.split()[6]

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import openai
 import pytest
 
 from pdflow import transports
-from pdflow.testing.local_http import local_http
+from pdflow.testing.local_http import local_http, openai_client
 from pdflow.testing.server import PdflowServer
 
 pytestmark = pytest.mark.e2e
@@ -47,7 +46,7 @@ async def _answer(client, question: str) -> str:
 
 def test_same_answers_alone_and_together(server):
     async def scenario():
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+        client = openai_client(server.url, asynchronous=True, timeout=180)
         single = {q: await _answer(client, q) for q in QUESTIONS}
         together = await asyncio.gather(*(_answer(client, q) for q in QUESTIONS * 3))
         return single, together
@@ -77,7 +76,7 @@ def test_zero_copy_survives_a_restart_of_the_store(server):
     from pdflow.testing import faults
 
     def answers() -> list[str]:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(server.url, timeout=120)
         return [client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
                                                temperature=0, max_tokens=20).choices[0].message.content
                 for q in QUESTIONS]

@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from pdflow.testing.local_http import local_http
+from pdflow.testing.local_http import local_http, openai_client
 from pdflow.testing.server import free_port_base
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +53,7 @@ def test_custom_stage_redacts_between_egress_and_ingress(tmp_path):
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(f"http://127.0.0.1:{port}", timeout=120)
         reply = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
             temperature=0, max_tokens=20)

@@ -13,6 +13,7 @@ import pytest
 
 from pdflow import LocalPipeline, Pipeline, Stage
 from pdflow.messages import Route, TextDelta
+from pdflow.testing.local_http import openai_client
 from pdflow.testing.server import free_port_base
 
 pytestmark = pytest.mark.e2e
@@ -53,7 +54,7 @@ def running(model_dir):
 
 
 def _client(running) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(running.url, asynchronous=True, timeout=120)
 
 
 def _tables(running) -> dict[str, dict]:

@@ -9,14 +9,13 @@ import sys
 import time
 import types
 
-import openai
 import pytest
 
 from pdflow import Pipeline
 from pdflow.messages import Route
 from pdflow.serving.metrics import ServingMetrics
 from pdflow.stages.ingress import PendingRequest
-from pdflow.testing.local_http import local_http
+from pdflow.testing.local_http import local_http, openai_client
 from pdflow.top import Scrape, quantile, render
 from tests.conftest import shared_server
 from tests.grafana import ONLY_WITH_SPECULATION, dashboard_metrics, scraped_series
@@ -163,7 +162,7 @@ def _frame(before: Scrape | None, now: Scrape) -> str:
 @pytest.mark.e2e
 def test_a_pipeline_counts_what_it_served_and_top_shows_it(request):
     server = shared_server(request, "disaggregated")
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.url, timeout=120)
 
     def scrape() -> Scrape:
         response = local_http().get(f"{server.url}/metrics", timeout=10)
@@ -239,7 +238,7 @@ def test_a_pipeline_counts_what_it_served_and_top_shows_it(request):
 @pytest.mark.e2e
 def test_every_series_the_grafana_dashboard_reads_is_in_a_scrape_of_a_serving_pipeline(request):
     server = shared_server(request, "disaggregated")
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.url, timeout=120)
     for _ in range(2):  # the second finds the first's prefix in the store
         client.completions.create(model="smollm2", prompt="Dashboards read " * 20, max_tokens=3, temperature=0)
     wanted = dashboard_metrics() - ONLY_WITH_SPECULATION

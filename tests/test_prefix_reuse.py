@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from pdflow.testing.local_http import openai_client
 from pdflow.testing.server import held
 from tests.conftest import shared_server
 
@@ -124,7 +125,7 @@ def reusing(request):
 
 
 def test_reuse_gives_the_same_answers_and_reports_cached_tokens(reusing, reference):
-    client = openai.OpenAI(base_url=f"{reusing.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(reusing.url, timeout=120)
     done = _workload(client)
     for (messages, answer, prompt, cached), (ref_messages, ref_answer, ref_prompt, _) in zip(done, reference):
         assert messages == ref_messages and prompt == ref_prompt
@@ -146,7 +147,7 @@ def test_reuse_gives_the_same_answers_and_reports_cached_tokens(reusing, referen
 def test_sixteen_at_once_give_the_same_answers(reusing, reference):
     if reusing.deployment == "zero-copy":
         pytest.skip("concurrent answers over shm: tests/test_e2e_transports.py")
-    client = openai.OpenAI(base_url=f"{reusing.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai_client(reusing.url, timeout=300)
     jobs = [reference[i % len(reference)] for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda job: _chat(client, job[0]), jobs))
@@ -166,7 +167,7 @@ def test_a_prompt_sent_while_its_prefix_is_computed_waits_for_it(reusing, served
         pytest.skip("the colocated worker plans a prompt when it computes it: nothing is in flight")
     document = f"Field notes, the {reusing.deployment} copy.\n\n{FIELD_GUIDE}"  # a prefix no earlier test stored
     first, second = ([{"role": "system", "content": document}, {"role": "user", "content": q}] for q in QUESTIONS[:2])
-    client = openai.OpenAI(base_url=f"{reusing.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(reusing.url, timeout=120)
     before = reusing.fresh_stats()[reusing.store_stage]
     with ThreadPoolExecutor(2) as pool:
         earlier = pool.submit(_chat, client, first)
@@ -187,7 +188,7 @@ def test_zero_copy_copies_no_kv_byte(reusing, reference):
     decode (and prefill) nothing, and decode writes no answer back: it attends in the store."""
     if reusing.deployment != "zero-copy":
         pytest.skip("the zero-copy deployment only")
-    client = openai.OpenAI(base_url=f"{reusing.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(reusing.url, timeout=120)
     _chat(client, reference[0][0])
     _settled_stats(reusing, reusing.store_stage)
     stats = reusing.fresh_stats()

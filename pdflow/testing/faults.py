@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from pdflow.testing.local_http import tls_context
+
 PROMPTS = ["Tell me about the sea.", "Name three colours.", "What is 7 times 8?", "Describe a cat.",
            "Write a line about the moon.", "Why is the sky blue?"]
 
@@ -74,7 +76,7 @@ class Load:
 
     def _client(self, index: int) -> None:
         rng = random.Random(self.seed * 1000 + index)
-        with httpx.Client(timeout=httpx.Timeout(self.bound_s, connect=10)) as http:
+        with httpx.Client(timeout=httpx.Timeout(self.bound_s, connect=10), verify=tls_context()) as http:
             while not self._stop.is_set():
                 abort_after = rng.randint(1, 3) if rng.random() < self.abort_ratio else None
                 pause = self.slow_read_s if rng.random() < self.slow_ratio else 0.0
