@@ -232,3 +232,28 @@ def test_sse_framing():
     frame = sse({"a": "é", "b": [1, None]})
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
     assert json.loads(frame[6:-2]) == {"a": "é", "b": [1, None]}
+
+
+def test_the_api_document_states_the_values_of_unsupported_fields_that_are_accepted():
+    """A client that builds requests from /openapi.json (schemathesis adds extra properties to
+    them) learns which values of a field pdflow does not do are accepted: exactly those."""
+    from fastapi import FastAPI
+
+    from pdflow.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from pdflow.serving.openapi import install_openapi
+
+    app = FastAPI()
+    install_openapi(app, (), "m", 100)
+    schemas = app.openapi()["components"]["schemas"]
+    for model, parse, base in ((ChatCompletionRequest, parse_chat_request, {"model": "m", "messages": USER}),
+                               (CompletionRequest, parse_completion_request, {"prompt": "a"})):
+        assert {"best_of", "tools", "suffix"} <= set(model.neutral)
+        for name, values in model.neutral.items():
+            stated = schemas[model.__name__]["properties"][name]["enum"]
+            assert all(any(v == s and type(v) is type(s) for v in values) for s in stated), (name, stated)
+            for value in stated:
+                parse(json.dumps({**base, name: value}).encode())
+            with pytest.raises(ApiError) as info:
+                parse(json.dumps({**base, name: "something else"}).encode())
+            assert info.value.param == name
+    assert schemas["CompletionRequest"]["properties"]["length_penalty"]["enum"] == [None, 1]  # (1.0 is 1 in JSON)

@@ -11,7 +11,7 @@ Responses are built in :mod:`pdflow.serving.openai_responses`.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -153,6 +153,9 @@ class _Request(BaseModel):
     """Fields shared by both endpoints. Strict: ``"10"`` is not an integer, ``"true"`` not a bool."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+    # fields refused unless their value is one of these (the API document states them, so that a
+    # client generating requests from it does not send one as an extra property the server refuses)
+    neutral: ClassVar[dict[str, tuple]] = _NEUTRAL
 
     model: str | None = Field(default=None, json_schema_extra={SERVED_MODEL: True})
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -277,6 +280,8 @@ def _chat_schema(schema: dict[str, Any]) -> None:
 
 class ChatCompletionRequest(_Request):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_chat_schema)
+
+    neutral: ClassVar[dict[str, tuple]] = {**_NEUTRAL, **_CHAT_NEUTRAL}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)

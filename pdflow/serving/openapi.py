@@ -114,11 +114,24 @@ def _components(models) -> dict:
     schemas = {"ErrorResponse": ERROR_RESPONSE, "Usage": USAGE}
     for model in (ChatCompletionRequest, CompletionRequest, *models):
         schema = model.model_json_schema(ref_template=_REF)
+        for name, values in getattr(model, "neutral", {}).items():
+            schema["properties"].setdefault(name, {
+                "enum": _distinct(values), "description": "Not supported: refused (400) unless one of these values, "
+                "which change nothing."})
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
     for model, obj in ((ChatCompletionRequest, "chat.completion"), (CompletionRequest, "text_completion")):
         schemas[f"{model.__name__}Response"] = _completion_schema(obj)
     return schemas
+
+
+def _distinct(values: tuple) -> list:
+    """``values`` without repeats as JSON sees them (1 and 1.0 are one number; True is not 1)."""
+    out: list = []
+    for value in values:
+        if not any(value == kept and isinstance(value, bool) == isinstance(kept, bool) for kept in out):
+            out.append(value)
+    return out
 
 
 def integers_below(n: int) -> str:
