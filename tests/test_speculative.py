@@ -146,6 +146,9 @@ def _run(loaded, batch, prompts, max_tokens=24):
     return [outputs[f"s{i}"] for i in range(len(prompts))], seqs
 
 
+_PLAIN: dict[str, list[list[int]]] = {}  # kind of batch -> its greedy tokens without speculation (the same each time)
+
+
 @pytest.mark.parametrize(("kind", "method"), [("paged", "ngram"), ("dense-torch", "ngram"), ("paged", "self-draft")])
 def test_greedy_tokens_are_those_without_speculation(loaded_model, kind, method):
     from pdflow.engine import DecodeBatch
@@ -162,7 +165,9 @@ def test_greedy_tokens_are_those_without_speculation(loaded_model, kind, method)
             return PagedDecodeBatch(loaded, 4, pool)
         return DecodeBatch(loaded, 4, attention_kernel=kind == "dense-kernel")
 
-    plain, _ = _run(loaded, batch(), prompts)
+    if kind not in _PLAIN:
+        _PLAIN[kind] = _run(loaded, batch(), prompts)[0]
+    plain = _PLAIN[kind]
     speculating = batch()
     options = {"layers": 12} if method == "self-draft" else {}
     speculating.speculation = Speculation(proposer(method, loaded, **options), num_tokens=2 if options else 4,
