@@ -25,7 +25,10 @@ _EPILOG = """examples:
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line. With ``command``, the other commands of :data:`_OWN_MODULE_COMMANDS`
+    are named with their one-line help only: building their arguments imports their modules, which
+    took 0.18 s of CPU at every start of any command (`pdflow run` too)."""
     parser = argparse.ArgumentParser(
         prog="pdflow",
         description="Disaggregated LLM inference: prefill, kv-shuttle, decode, ingress and egress as "
@@ -91,15 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     new = keys_sub.add_parser("new", help="write a new secret to FILE (mode 0600; never overwrites)")
     new.add_argument("file", help="where to write it, e.g. pipeline.key")
-    _bench_parser(sub)
-    _trace_parser(sub)
-    _plan_parser(sub)
-    _simulate_parser(sub)
-    from pdflow.simulate import measure
-
-    measure.add_arguments(sub.add_parser(
-        "profile", help="measure this machine's stage costs into a simulator profile",
-        description=measure.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+    for name, (summary, add) in _OWN_MODULE_COMMANDS.items():
+        if command is None or command == name:
+            add(sub, summary)
+        else:
+            sub.add_parser(name, help=summary)
     top = sub.add_parser("top", help="a live view of a running pdflow (rates, latency, replicas, KV), from /metrics",
                          description="Scrape GET /metrics of a running pdflow every interval and show request "
                          "and token rates, TTFT/TBT/E2E percentiles, each stage's replicas and the KV stores "
@@ -153,10 +152,10 @@ BENCHES = {
 }
 
 
-def _bench_parser(sub) -> None:
+def _bench_parser(sub, summary: str) -> None:
     from pdflow.bench import transfer
 
-    bench = sub.add_parser("bench", help="measure pdflow beside baselines from the same run",
+    bench = sub.add_parser("bench", help=summary,
                            description="Benchmarks that print their baselines beside them, as ratios "
                            "from the same run, and the command that repeats them.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="ACTION")
@@ -175,25 +174,31 @@ def _bench_parser(sub) -> None:
             formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
-def _plan_parser(sub) -> None:
+def _plan_parser(sub, summary: str) -> None:
     from pdflow.plan import cli as plan_cli
 
-    plan_cli.add_arguments(sub.add_parser(
-        "plan", help="size a deployment: KV bytes, transfer times, store capacity for a trace, a P:D split",
-        description=plan_cli.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+    plan_cli.add_arguments(sub.add_parser("plan", help=summary, description=plan_cli.DESCRIPTION,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
-def _simulate_parser(sub) -> None:
+def _simulate_parser(sub, summary: str) -> None:
     from pdflow.simulate import cli as simulate_cli
 
-    simulate_cli.add_arguments(sub.add_parser(
-        "simulate", help="a trace through a simulated deployment, with pdflow's own routers and scaler",
-        description=simulate_cli.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+    simulate_cli.add_arguments(sub.add_parser("simulate", help=summary, description=simulate_cli.DESCRIPTION,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
-def _trace_parser(sub) -> None:
+def _profile_parser(sub, summary: str) -> None:
+    from pdflow.simulate import measure
+
+    measure.add_arguments(sub.add_parser("profile", help=summary, description=measure.DESCRIPTION,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+
+def _trace_parser(sub, summary: str) -> None:
     trace = sub.add_parser(
-        "trace", help="a finished request's timeline as a Chrome/Perfetto trace, a PNG and its KV tail",
+        "trace", help=summary,
         description="Fetch GET /debug/timeline/REQUEST_ID from a running pdflow (or read a saved "
         "timeline), print the KV tail (prefill's last layer computed -> decode holds all KV) against "
         "the whole transfer, and write a Chrome/Perfetto trace (open it in ui.perfetto.dev) and a PNG.",
@@ -205,6 +210,17 @@ def _trace_parser(sub) -> None:
                        help="the trace file to write (default: trace-REQUEST_ID.json)")
     trace.add_argument("--png", default=None, metavar="PNG", help="also draw the timeline (needs matplotlib)")
     client_key.add_argument(trace)
+
+
+# the commands whose arguments are built only when asked for (bench, plan, simulate and profile
+# import modules of their own to build them): name -> (one-line help, what adds the rest)
+_OWN_MODULE_COMMANDS = {
+    "bench": ("measure pdflow beside baselines from the same run", _bench_parser),
+    "trace": ("a finished request's timeline as a Chrome/Perfetto trace, a PNG and its KV tail", _trace_parser),
+    "plan": ("size a deployment: KV bytes, transfer times, store capacity for a trace, a P:D split", _plan_parser),
+    "simulate": ("a trace through a simulated deployment, with pdflow's own routers and scaler", _simulate_parser),
+    "profile": ("measure this machine's stage costs into a simulator profile", _profile_parser),
+}
 
 
 def _bench(args) -> int:
@@ -431,7 +447,8 @@ def _run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(next((arg for arg in argv if not arg.startswith("-")), None)).parse_args(argv)
     if args.command == "run":
         return _run(args)
     if args.command == "validate":

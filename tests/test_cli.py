@@ -35,6 +35,17 @@ def test_help_lists_the_commands() -> None:
     assert "pdflow validate topology.toml" in result.stdout  # the examples
 
 
+def test_a_command_builds_only_its_own_arguments_and_the_help_is_the_same() -> None:
+    code = ("import sys; from pdflow import cli; parser = cli._parser('validate'); parser.parse_args(['validate']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('pdflow.bench', 'pdflow.plan', 'pdflow.simulate'))), "
+            "parser.format_help() == cli._parser().format_help())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[] True", result.stderr
+    for command in ("bench", "plan", "simulate", "profile", "trace"):  # each still has its whole tree
+        result = pdflow(command, "--help")
+        assert result.returncode == 0 and "options:" in result.stdout and len(result.stdout.splitlines()) > 5, command
+
+
 def test_no_command_is_a_usage_error() -> None:
     result = pdflow()
     assert result.returncode == 2
