@@ -195,7 +195,6 @@ def _profile_parser(sub, summary: str) -> None:
                                          formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
-
 def _trace_parser(sub, summary: str) -> None:
     trace = sub.add_parser(
         "trace", help=summary,

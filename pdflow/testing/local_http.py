@@ -38,4 +38,5 @@ def openai_client(url: str, asynchronous: bool = False, **options) -> Any:
 
     make, http = ((openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient) if asynchronous
                   else (openai.OpenAI, openai.DefaultHttpxClient))
-    return make(base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http(verify=tls_context()), **options)
+    return make(base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http(verify=tls_context()),
+                **options)
