@@ -156,8 +156,10 @@ def _unsupported_backend(backend, config: dict) -> str | None:
     added = backend.get_added_tokens_decoder()
     by_content = {token.content: token for token in added.values()}
     for name in _NAMED_TOKENS:
-        token = by_content.get(config.get(name)) if config.get(name) is not None else None
-        if config.get(name) is not None and (token is None or not token.special or token.normalized):
+        if config.get(name) is None:
+            continue
+        token = by_content.get(config[name])
+        if token is None or not token.special or token.normalized:
             return f"{name} {config[name]!r} is not one of tokenizer.json's special added tokens"
     for token_id, wanted in (config.get("added_tokens_decoder") or {}).items():
         known = added.get(int(token_id)) if str(token_id).isdigit() else None

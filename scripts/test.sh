@@ -13,8 +13,8 @@ PDFLOW_EXTRAS=${PDFLOW_EXTRAS:-test,ucx,ray} scripts/setup.sh
 # (a smaller suite): 722 s in one process, 543 s in 2 workers, 436 s in 3; on 2026-12-07, 1,331
 # tests in 3 workers: 513 s with 1,001 s of CPU (/proc/stat); then 432 s with 833 s (and 442-474 s in
 # three more runs) once the tests' HTTP calls shared one client (pdflow.testing.local_http); then
-# 451.6 s in a clean clone (488.6 s before, the machine about as fast) once ingress stopped
-# importing transformers and `pdflow run` stopped building the bench commands' arguments.
+# 430.8 s and 473.5 s in two clean clones (488.6 s before; the machine's speed varies by half)
+# once ingress stopped importing transformers and `pdflow run` building the bench commands' arguments.
 workers=${PDFLOW_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 # The plug-ins the suite uses, named rather than found: pytest rewrites the asserts of every module
 # of every installed plug-in's package (schemathesis, hypothesis and anyio ship plug-ins the suite

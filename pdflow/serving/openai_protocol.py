@@ -153,7 +153,7 @@ class _Request(BaseModel):
     """Fields shared by both endpoints. Strict: ``"10"`` is not an integer, ``"true"`` not a bool."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    # fields refused unless their value is one of these (the API document states them, so that a
+    # fields refused unless their value is one of these (the API document states them too, so that a
     # client generating requests from it does not send one as an extra property the server refuses)
     neutral: ClassVar[dict[str, tuple]] = _NEUTRAL
 
@@ -188,7 +188,7 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _unhonoured(cls, body: Any) -> Any:
-        _refuse_unhonoured(body, _NEUTRAL)
+        _refuse_unhonoured(body, cls.neutral)
         return body
 
     @field_validator("stop", mode="before")
@@ -287,12 +287,6 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _chat_unhonoured(cls, body: Any) -> Any:
-        _refuse_unhonoured(body, _CHAT_NEUTRAL)
-        return body
 
     def model_post_init(self, _context: Any) -> None:
         if self.max_completion_tokens is not None:  # the newer name wins, as in vLLM
