@@ -94,6 +94,29 @@ def test_console_script_is_installed() -> None:
     assert (result.returncode, result.stdout.strip()) == (0, f"pdflow {__version__}")
 
 
+def test_validate_imports_no_stage_kind_the_pipeline_wires_itself(tmp_path: Path) -> None:
+    """Built-in stages wired as the pipeline wires them, an egress stage's tokens included, are
+    checked without importing their classes (and torch: 2 s of a validate); a stage whose outputs
+    are wired otherwise is imported, to check them against its class."""
+    egress = tmp_path / "egress.toml"
+    egress.write_text("[stages.egress]\n")
+    colocated = tmp_path / "colocated.toml"
+    colocated.write_text('[engine]\nmode = "colocated"\n\n[stages.egress]\n')
+    rewired = tmp_path / "rewired.toml"
+    rewired.write_text('[stages.egress]\n\n[stages.decode.outputs]\ntokens = "ingress"\n')
+    code = ("import sys; from pdflow import cli\n"
+            "for path in sys.argv[1:]:\n"
+            "    try:\n        cli.main(['validate', path])\n"
+            "    except SystemExit as exc:\n        print('exit', exc.code)\n"
+            "    print('torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(egress), str(colocated), str(rewired)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line in ("True", "False")] == ["False", "False", "True"], (
+        result.stdout, result.stderr)
+    assert "exit" not in result.stdout, result.stderr  # all three valid
+
+
 def test_validate_the_default_topology() -> None:
     if (os.cpu_count() or 1) < 2:
         pytest.skip("the default topology pins decode to core 1, which this machine does not have")

@@ -70,6 +70,18 @@ def test_an_egress_stage_takes_the_tokens_only_where_wired_to():
     assert e.value.key == "stages.egress" and "no stage sends it tokens" in e.value.message
 
 
+def test_the_token_producers_the_checks_do_not_import_have_a_tokens_output():
+    """The checks take a built-in producer's "tokens" to an egress stage as the pipeline's own
+    wiring without loading its class (pdflow.config.checks._own_wiring): sound only while each has
+    that output."""
+    from pdflow.config.pipeline import TOKEN_PRODUCERS
+    from pdflow.plugins import stage_kinds
+
+    for mode, producers in TOKEN_PRODUCERS.items():
+        for name in producers:
+            assert "tokens" in stage_kinds.load(name).outputs, (mode, name)
+
+
 def test_checks_name_the_key_in_code_and_file_line_key_in_toml(tmp_path):
     bad = Pipeline.default().with_egress().with_stage_config("egress", outputs={"text": "nowhere"})
     with pytest.raises(PipelineError) as e:

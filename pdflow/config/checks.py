@@ -3,8 +3,9 @@ ports that clash, links and their transports, the router.
 
 Each failure is a :class:`~pdflow.config.pipeline.PipelineError` naming the dotted key at fault;
 :mod:`pdflow.config.topology` adds the file and line when the pipeline came from TOML. Built-in
-stage kinds are not imported here (that would pull in torch for ``pdflow validate``); plug-in kinds,
-and any stage whose outputs are rewired, are.
+stage kinds wired as the pipeline itself wires them (its mode's outputs, and the token producers'
+tokens to an egress stage) are not imported here (that would pull in torch for ``pdflow validate``);
+plug-in kinds, and any stage whose outputs are rewired otherwise, are.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:
         raise PipelineError(f"{key}.device", f'expected "cpu", "cuda" or "cuda:N", got {describe(stage.device)}')
     registry = plugins.stage_kinds
     builtin = isinstance(stage.kind_name, str) and stage.kind_name in registry.builtin
-    if builtin and stage.outputs == default_outputs(name, pipeline.engine.mode):
-        return  # wired as the mode wires it
+    if builtin and stage.outputs == _own_wiring(pipeline, name):
+        return  # wired as the pipeline wires it
     if problem := registry.availability(stage.kind_name):
         what = "kind" if stage.kind else "name (no kind given, so the name is taken as the kind)"
         raise PipelineError(f"{key}.kind", f"stage {name!r}: its {what}: {problem}")
@@ -100,6 +101,17 @@ def _check_stage(pipeline: Pipeline, name: str, stage: StageConfig) -> None:
     if stage.data_port is not None and not cls.receives_kv:
         raise PipelineError(f"{key}.data_port", f"a {spec_name(stage.kind_name)} stage receives no KV data; "
                             "remove data_port")
+
+
+def _own_wiring(pipeline: Pipeline, name: str) -> dict[str, str]:
+    """The outputs the pipeline itself gives built-in stage ``name``: its mode's, and "tokens" to
+    an egress stage where the pipeline has one and ``name`` produces tokens (as
+    :func:`~pdflow.config.pipeline.route_tokens_through` wires them)."""
+    outputs = default_outputs(name, pipeline.engine.mode)
+    producer = name in TOKEN_PRODUCERS[pipeline.engine.mode] and pipeline.stages[name].kind_name == name
+    if producer and "egress" in pipeline.stages:
+        outputs["tokens"] = "egress"
+    return outputs
 
 
 def _check_links(pipeline: Pipeline, cross_process: bool) -> None:
