@@ -96,7 +96,7 @@ def test_console_script_is_installed() -> None:
 
 def test_validate_imports_no_stage_kind_the_pipeline_wires_itself(tmp_path: Path) -> None:
     """Built-in stages wired as the pipeline wires them, an egress stage's tokens included, are
-    checked without importing their classes (and torch: 2 s of a validate); a stage whose outputs
+    checked without importing their classes (and torch: about 2.5 s of a validate); a stage whose outputs
     are wired otherwise is imported, to check them against its class."""
     egress = tmp_path / "egress.toml"
     egress.write_text("[stages.egress]\n")
