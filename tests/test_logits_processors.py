@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import jsonschema
 import pytest
@@ -158,6 +159,17 @@ def test_a_guides_mask_forbids_exactly_the_tokens_its_matcher_refuses(samplers) 
                 assert (guide.matcher.validate_tokens([token]) == 1) == bool(allowed[token]), (step, token)
         choice = allowed.nonzero()[:, 0]
         guide.accept(int(choice[torch.randint(len(choice), (1,), generator=gen)]))
+
+
+def test_a_guide_does_not_import_llguidances_torch_module(samplers, monkeypatch) -> None:
+    """Importing llguidance.torch runs torch.compile (3 s of CPU in each stage process, at the
+    first guided request): a guide is made and applied without it."""
+    factory, tokenizer = samplers
+    monkeypatch.setitem(sys.modules, "llguidance.torch", None)  # (an import of it raises)
+    sampler = factory.make(SamplingParams(guide=guide_text("json_object"), **GREEDY))
+    scores = sampler.adjusted(torch.zeros(len(tokenizer)))
+    assert math.isinf(float(scores[tokenizer.encode("x")[0]]))
+    assert math.isfinite(float(scores[tokenizer.encode("{")[0]]))
 
 
 def test_a_guide_resumes_past_the_tokens_already_chosen(samplers) -> None:

@@ -25,22 +25,22 @@ class Guide:
     __slots__ = ("matcher", "bitmask")
 
     def __init__(self, matcher, vocab: int):
-        import llguidance.torch
+        import llguidance.numpy  # (not llguidance.torch: importing it runs torch.compile, 3 s of CPU)
 
         self.matcher = matcher
-        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
+        self.bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab)
 
     def mask(self, scores: torch.Tensor) -> None:
         """Set the scores of the tokens the grammar forbids next to -inf (in place). (Unpacked
         here: llguidance's own ``apply_token_bitmask_inplace`` compiles a kernel with
-        torch.compile at its first call, seconds on a CPU.) The bitmask's 32-bit words hold
+        torch.compile, and importing its module costs 3 s of CPU.) The bitmask's 32-bit words hold
         token ``32 * word + bit`` at ``bit``: their bytes in little-endian order, unpacked
         least significant bit first, are the tokens in order (numpy's ``unpackbits``: about
         20 µs for a 49k vocabulary, a seventh of shifting in torch)."""
-        import llguidance.torch
+        import llguidance.numpy
 
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        words = np.invert(self.bitmask[0].numpy()).view(np.uint32).astype("<u4", copy=False)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        words = np.invert(self.bitmask[0]).view(np.uint32).astype("<u4", copy=False)
         forbidden = np.unpackbits(words.view(np.uint8), bitorder="little")[: scores.shape[-1]]
         scores.masked_fill_(torch.from_numpy(forbidden.view(np.bool_)), float("-inf"))
 
