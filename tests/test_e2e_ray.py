@@ -105,7 +105,11 @@ cores = [1]
 def cluster():
     from ray.cluster_utils import Cluster
 
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1}})
+    # (the head without a dashboard, an autoscaler monitor or a log monitor: nothing here reads them,
+    # and their processes took 1.5-2 s of CPU to start)
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1},
+                                                         "include_dashboard": False, "no_monitor": True,
+                                                         "include_log_monitor": False})
     made.hosts = {host: made.add_node(num_cpus=1, resources={host: 1}) for host in ("prefill-node", "decode-node")}
     made.wait_for_nodes()
     ray.init(address=made.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
