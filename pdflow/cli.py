@@ -350,17 +350,17 @@ def _validate(args) -> int:
 
 
 def _pairings(topology) -> list:
-    """The producer -> store pairs ingress keeps on one host (pdflow.routing.locality); none
-    where it keeps none, without loading a stage class (prefill's imports the engine: seconds)."""
+    """The producer -> store pairs ingress keeps on one host (pdflow.routing.locality), without
+    loading a built-in stage's class (prefill's imports the engine: seconds)."""
+    from pdflow.plugins import stage_kind_kv_trait
     from pdflow.routing import locality
-    from pdflow.runtime.kinds import stage_class
     from pdflow.transports import shares_memory
 
     if not locality.applies(topology):
         return []
 
-    def having(attribute: str) -> set[str]:
-        return {name for name in topology.stages if getattr(stage_class(topology, name), attribute, False)}
+    def having(trait: str) -> set[str]:
+        return {name for name, stage in topology.stages.items() if stage_kind_kv_trait(stage.kind_name, trait)}
 
     return locality.pairings(topology, having("holds_kv"), having("computes_kv"), shares_memory)
 

@@ -64,3 +64,16 @@ routers = Registry("router", "pdflow.routers", "pdflow.routing.base:Router", ROU
 proposers = Registry("proposer", "pdflow.proposers", "pdflow.speculative.base:Proposer", PROPOSERS)
 kv_codecs = Registry("KV codec", "pdflow.kv_codecs", "pdflow.kv.codecs.base:KvCodec", KV_CODECS)
 weight_formats = Registry("weight format", "pdflow.weights", "pdflow.engine.weights.base:WeightFormat", WEIGHT_FORMATS)
+
+# What the built-in stage kinds' classes say of KV (``Stage.computes_kv``, ``Stage.holds_kv``),
+# known without importing them: prefill's imports the engine and torch, 2 s of CPU in a launcher
+# whose checks ask (tests/test_pipeline_api.py checks each against its class).
+BUILTIN_KV_TRAITS = {"computes_kv": frozenset({"prefill"}), "holds_kv": frozenset({"kv_shuttle", "worker"})}
+
+
+def stage_kind_kv_trait(kind, trait: str) -> bool:
+    """Whether stage kind ``kind`` (a name or a class spec) says ``trait`` ("computes_kv" or
+    "holds_kv"): a built-in kind's from :data:`BUILTIN_KV_TRAITS`, any other's from its class."""
+    if isinstance(kind, str) and kind in stage_kinds.builtin:
+        return kind in BUILTIN_KV_TRAITS[trait]
+    return bool(getattr(stage_kinds.load(kind), trait, False))

@@ -96,8 +96,9 @@ def test_console_script_is_installed() -> None:
 
 def test_validate_imports_no_stage_kind_the_pipeline_wires_itself(tmp_path: Path) -> None:
     """Built-in stages wired as the pipeline wires them, an egress stage's tokens included, are
-    checked without importing their classes (and torch: about 2.5 s of a validate); a stage whose outputs
-    are wired otherwise is imported, to check them against its class."""
+    checked without importing their classes (and torch: about 2.5 s of a validate), and so are the
+    stores and prefills a multi-host pipeline pairs on each host; a stage whose outputs are wired
+    otherwise is imported, to check them against its class."""
     egress = tmp_path / "egress.toml"
     egress.write_text("[stages.egress]\n")
     colocated = tmp_path / "colocated.toml"
@@ -109,12 +110,13 @@ def test_validate_imports_no_stage_kind_the_pipeline_wires_itself(tmp_path: Path
             "    try:\n        cli.main(['validate', path])\n"
             "    except SystemExit as exc:\n        print('exit', exc.code)\n"
             "    print('torch' in sys.modules)\n")
-    result = subprocess.run([sys.executable, "-c", code, str(egress), str(colocated), str(rewired)],
+    hosts = REPO / "topologies" / "multi-host.toml"
+    result = subprocess.run([sys.executable, "-c", code, str(egress), str(colocated), str(hosts), str(rewired)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert [line for line in result.stdout.splitlines() if line in ("True", "False")] == ["False", "False", "True"], (
-        result.stdout, result.stderr)
-    assert "exit" not in result.stdout, result.stderr  # all three valid
+    imported = [line for line in result.stdout.splitlines() if line in ("True", "False")]
+    assert imported == ["False", "False", "False", "True"], (result.stdout, result.stderr)
+    assert "exit" not in result.stdout, result.stderr  # all four valid
 
 
 def test_validate_the_default_topology() -> None:

@@ -82,6 +82,17 @@ def test_the_token_producers_the_checks_do_not_import_have_a_tokens_output():
             assert "tokens" in stage_kinds.load(name).outputs, (mode, name)
 
 
+def test_the_kv_traits_the_checks_know_without_importing_are_the_classes():
+    """pdflow.plugins.BUILTIN_KV_TRAITS stands for the built-in classes' computes_kv and holds_kv
+    (so that a multi-host launcher's checks need not import the stages): each must say what its
+    class says."""
+    from pdflow.plugins import BUILTIN_KV_TRAITS, stage_kinds
+
+    for name in stage_kinds.builtin:
+        for trait, kinds in BUILTIN_KV_TRAITS.items():
+            assert bool(getattr(stage_kinds.load(name), trait, False)) == (name in kinds), (name, trait)
+
+
 def test_checks_name_the_key_in_code_and_file_line_key_in_toml(tmp_path):
     bad = Pipeline.default().with_egress().with_stage_config("egress", outputs={"text": "nowhere"})
     with pytest.raises(PipelineError) as e:

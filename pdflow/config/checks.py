@@ -158,12 +158,12 @@ def _one_shares_memory(names: list[str]) -> bool:
 def _paired_on_every_host(pipeline: Pipeline, link) -> bool:
     """Is ``link`` one between a stage that computes prompts' KV and the store it writes into,
     which ingress keeps on one host (router.locality), with a replica of each on the same hosts?"""
-    kinds = plugins.stage_kinds
     if pipeline.router.locality != "host":
         return False
-    classes = {end: kinds.load(pipeline.stages[end].kind_name) for end in (link.src, link.dst)}
-    producer = next((end for end, cls in classes.items() if getattr(cls, "computes_kv", False)), None)
-    store = next((end for end, cls in classes.items() if getattr(cls, "holds_kv", False)), None)
+    ends = (link.src, link.dst)
+    says = lambda end, trait: plugins.stage_kind_kv_trait(pipeline.stages[end].kind_name, trait)  # noqa: E731
+    producer = next((end for end in ends if says(end, "computes_kv")), None)
+    store = next((end for end in ends if says(end, "holds_kv")), None)
     if producer is None or store is None or producer == store:
         return False
     hosts = [{pipeline.host_name_of(end, r) for r in range(pipeline.stages[end].replicas)} for end in (producer, store)]
