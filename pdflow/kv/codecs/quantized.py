@@ -17,9 +17,12 @@ bytes.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from pdflow.kv.codecs.base import KEYS, KvCodec
+
+if TYPE_CHECKING:  # torch is imported where KV is encoded, not where a topology is checked
+    import torch
 
 __all__ = ["Int4", "Int8", "Quantized"]
 
@@ -68,6 +71,8 @@ class Quantized(KvCodec):
     # ---- grouping: x (n, tokens, channels) <-> (n, groups, group size), reduced over the last axis ----
 
     def _grouped(self, x: torch.Tensor, kind: int) -> torch.Tensor:
+        import torch
+
         n, tokens, channels = x.shape
         if kind == KEYS:
             g = self.params["key_group"]
@@ -91,6 +96,8 @@ class Quantized(KvCodec):
 
     def _native(self, tensor: torch.Tensor, channels: int):
         """The C kernels if they can take ``tensor`` (fp32, on the CPU), else None."""
+        import torch
+
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or channels > _MAX_CHANNELS:
             return None
         from pdflow import kernels
@@ -101,6 +108,8 @@ class Quantized(KvCodec):
         return self.params["key_group"] if kind == KEYS else self._value_group(channels)
 
     def encode_blocks(self, blocks: torch.Tensor, kind: int, layer: int = 0) -> torch.Tensor:
+        import torch
+
         n, tokens = blocks.shape[:2]
         channels = blocks[0, 0].numel() if n and tokens else 0
         lib = self._native(blocks, channels) if n and tokens else None
@@ -117,6 +126,8 @@ class Quantized(KvCodec):
 
     def encode_blocks_torch(self, blocks: torch.Tensor, kind: int) -> torch.Tensor:
         """:meth:`encode_blocks` in PyTorch operations (any dtype; the C kernels' reference)."""
+        import torch
+
         n, tokens = blocks.shape[:2]
         x = blocks.reshape(n, tokens, -1).float()
         grouped = self._grouped(x, kind)
@@ -159,6 +170,8 @@ class Quantized(KvCodec):
 
     def decode_blocks_torch(self, data: torch.Tensor, kind: int, out: torch.Tensor) -> None:
         """:meth:`decode_blocks` in PyTorch operations (any dtype)."""
+        import torch
+
         n, tokens, kv_heads, head_dim = out.shape
         channels = kv_heads * head_dim
         code_bytes = tokens * channels * self.bits // 8

@@ -25,10 +25,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdflow.kv.codecs.base import KvCodec
+
+if TYPE_CHECKING:  # torch is imported where KV is encoded, not where a topology is checked
+    import torch
 
 __all__ = ["CALIBRATIONS", "HeadPrune", "SinkWindow", "load_importance", "least_important"]
 
@@ -89,6 +91,8 @@ class HeadPrune(KvCodec):
         return tokens * len(self._kept(layer, kv_heads)) * head_dim * itemsize
 
     def encode_blocks(self, blocks: torch.Tensor, kind: int, layer: int = 0) -> torch.Tensor:
+        import torch
+
         kept = self._kept(layer, blocks.shape[2])
         part = blocks if len(kept) == blocks.shape[2] else blocks[:, :, kept]
         return part.contiguous().view(torch.uint8).reshape(blocks.shape[0], -1)
@@ -130,9 +134,13 @@ class SinkWindow(KvCodec):
         return tokens * kv_heads * head_dim * itemsize
 
     def encode_blocks(self, blocks: torch.Tensor, kind: int, layer: int = 0) -> torch.Tensor:
+        import torch
+
         return blocks.contiguous().view(torch.uint8).reshape(blocks.shape[0], -1)
 
     def decode_blocks(self, data: torch.Tensor, kind: int, out: torch.Tensor, layer: int = 0) -> None:
+        import torch
+
         out.view(out.shape[0], -1).view(torch.uint8).copy_(data)
 
 
