@@ -350,19 +350,12 @@ def _validate(args) -> int:
 
 
 def _pairings(topology) -> list:
-    """The producer -> store pairs ingress keeps on one host (pdflow.routing.locality), without
-    loading a built-in stage's class (prefill's imports the engine: seconds)."""
-    from pdflow.plugins import stage_kind_kv_trait
+    """The producer -> store pairs ingress keeps on one host (pdflow.routing.locality, which
+    loads no built-in stage's class: prefill's imports the engine, seconds)."""
     from pdflow.routing import locality
     from pdflow.transports import shares_memory
 
-    if not locality.applies(topology):
-        return []
-
-    def having(trait: str) -> set[str]:
-        return {name for name, stage in topology.stages.items() if stage_kind_kv_trait(stage.kind_name, trait)}
-
-    return locality.pairings(topology, having("holds_kv"), having("computes_kv"), shares_memory)
+    return locality.pairings(topology, shares_memory)
 
 
 def _architecture(model) -> str:

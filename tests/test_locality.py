@@ -39,8 +39,8 @@ def ingress_of(pipeline, policy: str = "round_robin") -> IngressStage:
     stage.holdings, stage.hasher = None, None
     stage.router = routing.create(policy, {})
     stage.routed = [name for name in pipeline.stages if name != "ingress"]
-    stage.keeps_kv = {"kv_shuttle"}
-    stage.pairings = locality.pairings(pipeline, stage.keeps_kv, {"prefill"}, shares_memory)
+    stage.keeps_kv = locality.kv_stages(pipeline, "holds_kv")
+    stage.pairings = locality.pairings(pipeline, shares_memory)
     stage.route_order = locality.route_order(stage.routed, stage.pairings)
     stage.hosts_of = {name: [pipeline.host_name_of(name, i) for i in range(pipeline.stages[name].replicas)]
                       for name in stage.routed}

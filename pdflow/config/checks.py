@@ -160,10 +160,9 @@ def _paired_on_every_host(pipeline: Pipeline, link) -> bool:
     which ingress keeps on one host (router.locality), with a replica of each on the same hosts?"""
     if pipeline.router.locality != "host":
         return False
-    ends = (link.src, link.dst)
-    says = lambda end, trait: plugins.stage_kind_kv_trait(pipeline.stages[end].kind_name, trait)  # noqa: E731
-    producer = next((end for end in ends if says(end, "computes_kv")), None)
-    store = next((end for end in ends if says(end, "holds_kv")), None)
+    kinds = {end: pipeline.stages[end].kind_name for end in (link.src, link.dst)}
+    producer = next((end for end, kind in kinds.items() if plugins.stage_kind_kv_trait(kind, "computes_kv")), None)
+    store = next((end for end, kind in kinds.items() if plugins.stage_kind_kv_trait(kind, "holds_kv")), None)
     if producer is None or store is None or producer == store:
         return False
     hosts = [{pipeline.host_name_of(end, r) for r in range(pipeline.stages[end].replicas)} for end in (producer, store)]

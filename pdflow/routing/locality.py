@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdflow.config.pipeline import Pipeline
+from pdflow.plugins import stage_kind_kv_trait
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,15 +35,22 @@ def applies(pipeline: Pipeline) -> bool:
     return pipeline.router.locality != "none" and pipeline.multi_host
 
 
-def pairings(pipeline: Pipeline, keeps_kv: set[str], computes_kv: set[str], shares_memory) -> list[Pairing]:
+def kv_stages(pipeline: Pipeline, trait: str) -> set[str]:
+    """The stages whose kind says ``trait``: "computes_kv" (prefill) or "holds_kv" (kv-shuttle,
+    the colocated worker); a built-in kind's without importing its class."""
+    return {name for name, stage in pipeline.stages.items() if stage_kind_kv_trait(stage.kind_name, trait)}
+
+
+def pairings(pipeline: Pipeline, shares_memory) -> list[Pairing]:
     """The producer -> store pairs of ``pipeline`` whose replicas ingress should keep on one host
     (none with ``router.locality = "none"``, or in a one-host pipeline): each data-plane link from
-    a stage that computes prompts' KV (``computes_kv``: prefill) into one that holds KV
-    (``keeps_kv``: kv-shuttle). ``shares_memory(transport)``: whether a transport stays on one
-    machine. (Decode's link back into the store, for answers, is not a pairing: decode goes
-    wherever the router sends it, and reads the KV over the network.)"""
+    a stage that computes prompts' KV (prefill) into one that holds KV (kv-shuttle).
+    ``shares_memory(transport)``: whether a transport stays on one machine. (Decode's link back
+    into the store, for answers, is not a pairing: decode goes wherever the router sends it, and
+    reads the KV over the network.)"""
     if not applies(pipeline):
         return []
+    computes_kv, keeps_kv = kv_stages(pipeline, "computes_kv"), kv_stages(pipeline, "holds_kv")
     return [Pairing(link.src, link.dst, shares_memory(link.transport)) for link in pipeline.links
             if link.src in computes_kv and link.dst in keeps_kv]
 

@@ -124,9 +124,8 @@ class IngressStage(MigratingIngress, KvAdminIngress, Stage):
         self.router = routing.create(self.pipeline.router.policy, self.pipeline.router.options)
         self.holdings = Holdings() if self.router.uses_holdings else None  # what each store holds, as it says
         self.hasher = BlockHasher.for_pipeline(self.pipeline)
-        self.keeps_kv = {name for name in self.routed if getattr(stage_class(self.pipeline, name), "holds_kv", False)}
-        computes_kv = {name for name in self.routed if getattr(stage_class(self.pipeline, name), "computes_kv", False)}
-        self.pairings = locality.pairings(self.pipeline, self.keeps_kv, computes_kv, shares_memory)
+        self.keeps_kv = locality.kv_stages(self.pipeline, "holds_kv")
+        self.pairings = locality.pairings(self.pipeline, shares_memory)
         self.route_order = locality.route_order(self.routed, self.pairings)
         self.hosts_of = {name: [self.pipeline.host_name_of(name, i) for i in range(self.pipeline.stages[name].replicas)]
                          for name in self.routed}  # each replica's host, for the pairings

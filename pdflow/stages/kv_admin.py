@@ -15,7 +15,6 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdflow.messages import KvForget, KvForgotten
-from pdflow.runtime.kinds import stage_class
 
 FORGET_TIMEOUT_S = 10.0
 
@@ -28,11 +27,10 @@ class _Forgetting:
 
 
 class KvAdminIngress:
-    """Mixed into ingress: drop KV everywhere it is kept (see the module doc)."""
+    """Mixed into ingress: drop KV everywhere it is kept (in ingress's ``keeps_kv``; see the module doc)."""
 
     def kv_holders(self) -> list[tuple[str, int]]:
-        return [(name, i) for name, i in self.pipeline.replicas()
-                if getattr(stage_class(self.pipeline, name), "holds_kv", False)]
+        return [(name, i) for name, i in self.pipeline.replicas() if name in self.keeps_kv]
 
     async def forget_kv(self, prompt_ids: list[int] | None, timeout_s: float = FORGET_TIMEOUT_S) -> dict:
         """Drop the KV of ``prompt_ids``'s prefix and all built on it (None: everything) in every
