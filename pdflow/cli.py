@@ -397,7 +397,7 @@ def _run(args) -> int:
     import uvloop
 
     from pdflow.runtime.launcher import HostError, Launcher, this_host
-    from pdflow.runtime.stage_start import prepare_stage_processes
+    from pdflow.runtime.stage_start import kinds_on, prepare_stage_processes
     from pdflow.log import configure_logging
     from pdflow.models import ModelError, resolve
     from pdflow.security import SecretError, pipeline_keys
@@ -413,8 +413,8 @@ def _run(args) -> int:
             if problem := unavailable():
                 raise HostError(problem)
         else:
-            this_host(topology, args.node)
-            prepare_stage_processes()  # its imports overlap the key derivation and the model's resolution
+            # the fork server's imports overlap the key derivation and the model's resolution
+            prepare_stage_processes(kinds_on(topology, this_host(topology, args.node)))
     except HostError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2

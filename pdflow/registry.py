@@ -59,6 +59,17 @@ class Registry:
     def knows(self, name: str) -> bool:
         return name in self.builtin or name in self.entry_points() or ":" in name
 
+    def module_of(self, name: str | type) -> str | None:
+        """The module that ``name``'s implementation lives in, found without importing it (None:
+        an unknown name)."""
+        if isinstance(name, type):
+            return name.__module__
+        if name in self.builtin:
+            return self.builtin[name][0].partition(":")[0]
+        if name in self.entry_points():
+            return self.entry_points()[name].module
+        return name.partition(":")[0] or None if ":" in name else None
+
     def _resolve(self, name: str) -> type | str:
         """The class, or a one-line reason it cannot be used (imports at most once per name)."""
         if name in self.builtin:

@@ -93,6 +93,45 @@ def test_the_kv_traits_the_checks_know_without_importing_are_the_classes():
             assert bool(getattr(stage_kinds.load(name), trait, False)) == (name in kinds), (name, trait)
 
 
+def test_a_kinds_module_is_known_without_importing_it():
+    from pdflow.plugins import stage_kinds
+
+    assert stage_kinds.module_of("prefill") == "pdflow.stages.prefill"
+    assert stage_kinds.module_of("mypkg.redact:RedactStage") == "mypkg.redact"
+    assert stage_kinds.module_of(Stage) == "pdflow.runtime.stage"
+    assert stage_kinds.module_of("no-such-kind") is None
+    assert "mypkg.redact" not in sys.modules
+
+
+def test_a_fork_server_imports_only_its_hosts_stage_kinds():
+    """A host whose stages compute nothing (multi-host.toml's head: ingress) forks them from a
+    fork server that never imported torch (2 s of CPU and about 300 MB saved on such a host, and in
+    each Ray actor of ingress or egress); prefill's host preloads prefill's module, torch with it."""
+    import subprocess
+
+    code = """if True:
+        import sys
+        from multiprocessing import forkserver
+        from pdflow.config.topology import load_topology
+        from pdflow.runtime.stage_start import kinds_on, stage_processes
+        topology = load_topology(sys.argv[1])
+        child = stage_processes(kinds=kinds_on(topology, "head")).Process(
+            target=exec, args=("import sys; sys.exit(3 if 'torch' in sys.modules else 0)",))
+        child.start()
+        child.join()
+        print(kinds_on(topology, "head"), child.exitcode)
+        stage_processes(kinds=kinds_on(topology, "prefill-1"))  # (the running fork server keeps its imports)
+        print(kinds_on(topology, "prefill-1"), forkserver._forkserver._preload_modules)
+    """
+    topology = Path(__file__).parent.parent / "topologies" / "multi-host.toml"
+    result = subprocess.run([sys.executable, "-c", code, str(topology)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    head, prefill_host = result.stdout.splitlines()
+    assert head == "['ingress'] 0"
+    assert prefill_host == ("['prefill', 'kv_shuttle'] ['__main__', 'pdflow.runtime.process', 'pdflow.stages.kv_shuttle', "
+                            "'pdflow.stages.prefill']")
+
+
 def test_checks_name_the_key_in_code_and_file_line_key_in_toml(tmp_path):
     bad = Pipeline.default().with_egress().with_stage_config("egress", outputs={"text": "nowhere"})
     with pytest.raises(PipelineError) as e:

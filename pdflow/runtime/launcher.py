@@ -62,7 +62,7 @@ from pdflow.runtime.bus import (
 from pdflow.runtime.process import StageLaunch
 from pdflow.runtime.process import main as stage_main
 from pdflow.runtime.scaling import ScalingLauncher
-from pdflow.runtime.stage_start import stage_processes
+from pdflow.runtime.stage_start import kinds_on, stage_processes
 from pdflow.security.curve import PipelineAuthenticator
 from pdflow.security.keys import LAUNCHER, PipelineKeys, pipeline_keys
 
@@ -158,7 +158,6 @@ class Launcher(ScalingLauncher):
         self.keys = keys if keys is not None else pipeline_keys(topology)
         self.authenticate = topology.security.authenticate
         self.log_format, self.log_level = log_format, log_level
-        self.mp = stage_processes()
         self.backend = backend
         if backend == "ray":
             if host is not None:
@@ -170,6 +169,7 @@ class Launcher(ScalingLauncher):
         watched = topology.replicas() if self.supervising else topology.replicas(self.host)
         mine = (lambda key: True) if backend == "ray" else (lambda key: topology.host_name_of(*key) == self.host)
         self.replicas = {key: _Replica(*key, local=mine(key), host=topology.host_name_of(*key)) for key in watched}
+        self.mp = stage_processes(kinds=kinds_on(topology, self.host))
         self._park_spare_slots()
         self.stop_requested = asyncio.Event()
         self.fatal: str | None = None  # why the pipeline cannot run (a protocol mismatch): stop now

@@ -69,7 +69,8 @@ class StageActor:
         launch = dataclasses.replace(launch, model_dir=model_dir)
         name = f"pdflow::{launch.pipeline.stages[launch.stage].display_name}-{launch.replica}"
         # (not spawned: a spawned child imports the actor's __main__, Ray's worker, before the stage)
-        self.process = stage_processes(main=False).Process(target=stage_main, args=(launch,), name=name, daemon=True)
+        processes = stage_processes(main=False, kinds=[launch.pipeline.stages[launch.stage].kind_name])
+        self.process = processes.Process(target=stage_main, args=(launch,), name=name, daemon=True)
         self.process.start()
 
     def pid(self) -> int:
