@@ -98,8 +98,9 @@ def test_console_script_is_installed() -> None:
 def test_validate_imports_no_stage_kind_the_pipeline_wires_itself(tmp_path: Path) -> None:
     """Built-in stages wired as the pipeline wires them, an egress stage's tokens included, are
     checked without importing their classes (and torch: about 2.5 s of a validate), and so are the
-    stores and prefills a multi-host pipeline pairs on each host, and KV codecs (built to check their
-    options); a stage whose outputs are wired otherwise is imported, to check them against its class."""
+    stores and prefills a multi-host pipeline pairs on each host, KV codecs and a speculative
+    proposer (built to check their options); a stage whose outputs are wired otherwise is
+    imported, to check them against its class."""
     egress = tmp_path / "egress.toml"
     egress.write_text("[stages.egress]\n")
     colocated = tmp_path / "colocated.toml"
@@ -115,12 +116,14 @@ def test_validate_imports_no_stage_kind_the_pipeline_wires_itself(tmp_path: Path
     codecs = tmp_path / "codecs.toml"  # int8 on every link, and head-prune (with its calibration) into decode
     codecs.write_text(topology_text(20000, codec="int8", decode_codec="head-prune",
                                     decode_codec_options={"pruned": "0.2/4.1/7.0/12.1/25.0"}))
-    paths = [str(path) for path in (egress, colocated, hosts, codecs, rewired)]
+    speculative = tmp_path / "speculative.toml"  # a proposer built to check its options
+    speculative.write_text('[speculative]\nmethod = "ngram"\nnum_tokens = 4\n')
+    paths = [str(path) for path in (egress, colocated, hosts, codecs, speculative, rewired)]
     result = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     imported = [line for line in result.stdout.splitlines() if line in ("True", "False")]
-    assert imported == ["False", "False", "False", "False", "True"], (result.stdout, result.stderr)
-    assert "exit" not in result.stdout, result.stderr  # all five valid
+    assert imported == ["False", "False", "False", "False", "False", "True"], (result.stdout, result.stderr)
+    assert "exit" not in result.stdout, result.stderr  # all six valid
 
 
 def test_validate_the_default_topology() -> None:

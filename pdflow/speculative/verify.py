@@ -16,20 +16,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from pdflow import kernels
 from pdflow.speculative.base import Draft
 
 if TYPE_CHECKING:
+    import torch
+
     from pdflow.engine.sampler import Sampler
 
 __all__ = ["accept"]
 
 
-def accept(logits: torch.Tensor, draft: Draft, sampler: "Sampler") -> list[int]:
+def accept(logits: "torch.Tensor", draft: Draft, sampler: "Sampler") -> list[int]:
     """The tokens the sequence emits this step: the draft tokens kept and one of the target's
     (``logits`` ``(len(draft.tokens) + 1, vocab)``)."""
+    import torch  # (here: a launcher checks a topology's proposer through this module, without torch)
+
     tokens = draft.tokens
     if sampler.greedy:
         target = kernels.argmax_rows(logits)  # the same pick as a plain step's (sample_batch)
