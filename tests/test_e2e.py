@@ -136,11 +136,13 @@ def test_32_concurrent_streams_each_equal_its_single_request_output(aclient):
 def test_decode_receives_layer_0_before_prefill_finishes_its_last_layer(client, server):
     if server.mode == "colocated":
         pytest.skip("colocated: the KV never leaves the worker")
+    # about 600 tokens: prefill computes 29 more layers, each of tens of ms, after layer 0 (2,000 cost
+    # the suite 6 s more of CPU for the same order of events)
     long_prompt = "Summarize the following notes. " + " ".join(
-        f"Note {i}: the shipment of part {i * 7} arrived on day {i % 30} in good order." for i in range(90)
+        f"Note {i}: the shipment of part {i * 7} arrived on day {i % 30} in good order." for i in range(27)
     )
     reply = client.completions.create(model="smollm2", prompt=long_prompt, temperature=0, max_tokens=2)
-    assert reply.usage.prompt_tokens > 1500
+    assert reply.usage.prompt_tokens > 500
     timeline = local_http().get(f"{server.url}/debug/timeline/{reply.id}").json()
     layers = len(timeline["prefill.layer_done"])
     assert layers == 30 and len(timeline["decode.layer_in"]) == layers
