@@ -176,8 +176,8 @@ def test_the_direct_path_fills_decode_s_pool_from_prefill_and_the_store_behind_i
         return stats["prefill-0"].get("kv_sent_bytes@decode", 0), stats["kv-shuttle-0"]["kv_sent_bytes@decode"]
 
     for attempt in range(4):
-        prompt = f"Direct path check {time.time_ns()}. " + " ".join(
-            f"Item {i}: a crate of {i * 3 + attempt} lamps left the dock on day {i % 28}." for i in range(30))
+        prompt = f"Direct path check {time.time_ns()}. " + " ".join(  # about 220 tokens: three blocks and a bit
+            f"Item {i}: a crate of {i * 3 + attempt} lamps left the dock on day {i % 28}." for i in range(10))
         before = sent()
         first = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=8)
         middle = sent()
