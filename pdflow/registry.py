@@ -68,7 +68,8 @@ class Registry:
             return self.builtin[name][0].partition(":")[0]
         if name in self.entry_points():
             return self.entry_points()[name].module
-        return name.partition(":")[0] or None if ":" in name else None
+        module, colon, _ = name.partition(":")
+        return module if colon and module else None
 
     def _resolve(self, name: str) -> type | str:
         """The class, or a one-line reason it cannot be used (imports at most once per name)."""

@@ -25,7 +25,7 @@ workers=${PDFLOW_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 # slower asserts in the event loop of every in-process pipeline): collecting, 10.7 s -> 9.3 s of CPU.
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 # Where PYTHONDONTWRITEBYTECODE is set (this project's machines set it), no process caches pdflow's
-# bytecode, so each of the more than 100 processes of the suite that import it compiled its modules again
+# bytecode, so each of the suite's processes that import it (over 100) compiled its modules again
 # (about 0.1 s of CPU each; a worker's collection 9.7 -> 8.7 s). Compiled once here, in 0.3 s.
 PYTHONDONTWRITEBYTECODE= .venv/bin/python -m compileall -q pdflow || true
 plugins=(-p xdist.plugin -p pytest_asyncio.plugin -p pytest_timeout)
