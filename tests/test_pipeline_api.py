@@ -105,8 +105,8 @@ def test_a_kinds_module_is_known_without_importing_it():
 
 def test_a_fork_server_imports_only_its_hosts_stage_kinds():
     """A host whose stages compute nothing (multi-host.toml's head: ingress) forks them from a
-    fork server that never imported torch (2 s of CPU and about 300 MB saved on such a host, and in
-    each Ray actor of ingress or egress); prefill's host preloads prefill's module, torch with it."""
+    fork server that never imported torch (about 1.8 s of CPU and 200 MiB saved on such a host, and
+    in each Ray actor of ingress or egress); prefill's host preloads prefill's module, torch with it."""
     import subprocess
 
     code = """if True:
