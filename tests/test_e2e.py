@@ -136,8 +136,8 @@ def test_32_concurrent_streams_each_equal_its_single_request_output(aclient):
 def test_decode_receives_layer_0_before_prefill_finishes_its_last_layer(client, server):
     if server.mode == "colocated":
         pytest.skip("colocated: the KV never leaves the worker")
-    # about 600 tokens: prefill computes 29 more layers, each of tens of ms, after layer 0 (2,000 cost
-    # about 5 s more of CPU for the same order of events)
+    # about 600 tokens: prefill computes 29 more layers, each of tens of ms, after layer 0 (2,000
+    # were 1,400 more tokens of prefill, at 3-4 ms of CPU each, for the same order of events)
     long_prompt = "Summarize the following notes. " + " ".join(
         f"Note {i}: the shipment of part {i * 7} arrived on day {i % 30} in good order." for i in range(27)
     )

@@ -30,8 +30,6 @@ __all__ = ["accept"]
 def accept(logits: "torch.Tensor", draft: Draft, sampler: "Sampler") -> list[int]:
     """The tokens the sequence emits this step: the draft tokens kept and one of the target's
     (``logits`` ``(len(draft.tokens) + 1, vocab)``)."""
-    import torch  # (here: a launcher checks a topology's proposer through this module, without torch)
-
     tokens = draft.tokens
     if sampler.greedy:
         target = kernels.argmax_rows(logits)  # the same pick as a plain step's (sample_batch)
@@ -39,6 +37,8 @@ def accept(logits: "torch.Tensor", draft: Draft, sampler: "Sampler") -> list[int
         while kept < len(tokens) and tokens[kept] == target[kept]:
             kept += 1
         return tokens[:kept] + [target[kept]]
+    import torch  # (here, not at the top: a launcher checks a topology's proposer through this module)
+
     out = []
     for i, token in enumerate(tokens):
         p = sampler.probabilities(logits[i])
