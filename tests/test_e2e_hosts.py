@@ -53,17 +53,16 @@ cooldown_s = 1
 """
 
 
-# KV into kv-shuttle over shm (the store beside prefill), into decode over ucx (over its tcp between
-# namespaces: UCX's shared memory cannot wake a peer in another one), where ucxx is installed
-INTO_DECODE = "ucx" if transports.availability("ucx") is None else "tcp"
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    # KV into kv-shuttle over shm (the store beside prefill), into decode over ucx (over its tcp between
+    # namespaces: UCX's shared memory cannot wake a peer in another one), where ucxx is installed (asked
+    # here, not at collection: the answer imports ucxx, 0.4 s of CPU in each test worker)
+    into_decode = "ucx" if transports.availability("ucx") is None else "tcp"
     with Namespaces(HOSTS, bandwidth="10gbit") as net:
         running = Cluster(net, tmp_path_factory.mktemp("hosts"),
                           lambda secret: hosts_topology(net, secret, PLACEMENT, heartbeat_timeout_s=4,
-                                                        transports=("shm", INTO_DECODE), min_replicas={"prefill": 1},
+                                                        transports=("shm", into_decode), min_replicas={"prefill": 1},
                                                         extra=SCALER))
         for host in HOSTS:
             running.start(host)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from pdflow.bench.metrics import mooncake_tbt
 
 
 def available() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """matplotlib is installed (found, not imported: the import takes 0.3 s of CPU)."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def _pyplot():
