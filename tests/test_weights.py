@@ -273,8 +273,10 @@ BLOCKED_PATHS = {1: "plain C", 2: "AVX-512 VNNI", 3: "AMX tiles", 4: "AVX2 (a bu
 def test_blocked_int4_sums_the_same_on_every_path_and_with_any_rows_beside(path):
     """int4-a16-blocked's products (q4blocked.c): every path this CPU can run gives the plain C
     path's results bit for bit, and a row's result is the same alone as among 2..64 rows, or 100
-    (a prefill chunk, on AMX tiles where the CPU has them; AMX takes 16 rows at a time, VNNI 4,
-    AVX2 2): what keeps a speculative verify pass equal to a plain step. (The AVX2 path is in builds without AVX-512: tests/test_kernels.py builds one.)"""
+    (a prefill chunk, where the CPU has AMX tiles or AVX-512 VNNI; AMX takes 16 rows at a time,
+    VNNI 4, AVX2 2): what keeps a speculative verify pass equal to a plain step, and a prefill equal
+    to its prompt computed in chunks. (The AVX2 path is in builds without AVX-512:
+    tests/test_kernels.py builds one.)"""
     from pdflow import kernels
 
     lib = kernels.library()
@@ -288,7 +290,8 @@ def test_blocked_int4_sums_the_same_on_every_path_and_with_any_rows_beside(path)
         from pdflow.engine.weights.formats import _Blocked, block_int8, quantize_int8
 
         matrices.append(_Blocked(*block_int8(*quantize_int8(weight)), None, 96, 288, None))
-    many = (100,) if lib.pdflow_q4b_paths() & (1 << 3) else ()  # prefill's rows: AMX tiles where there are
+    # prefill's rows: on AMX tiles at once, or 64 at a time on VNNI (else sgemm on a dequantized copy)
+    many = (100,) if lib.pdflow_q4b_paths() & (1 << 3 | 1 << 2) else ()
     for packed in matrices:
         for rows in (1, 2, 5, 16, 17, 64, *many):
             x = torch.randn(rows, 288) * torch.linspace(0.1, 10, 288)

@@ -48,7 +48,7 @@ SOURCES = tuple(_HERE / name for name in ("products_fp32.c", "products_a8.c", "p
 HEADERS = tuple(_HERE / name for name in ("pdflow_kernels.h", "helpers.h", "portable_products.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
-MAX_ROWS = 64  # rows of x one call takes (the C side's tiles); more go to sgemm
+MAX_ROWS = 64  # rows of x one call takes (the C side's tiles); more go to sgemm, or in calls of 64 (blocked, VNNI)
 MAX_INPUTS = 8192  # in_features the C side's row buffer holds
 
 
