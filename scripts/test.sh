@@ -15,6 +15,9 @@ PDFLOW_EXTRAS=${PDFLOW_EXTRAS:-test,ucx,ray} scripts/setup.sh
 # three more runs) once the tests' HTTP calls shared one client (pdflow.testing.local_http); then
 # 430.8 s and 473.5 s in two clean clones (488.6 s before; the machine's speed varies by half)
 # once ingress stopped importing transformers and `pdflow run` building the bench commands' arguments.
+# Two more than the cores (4 workers), 2026-12-08: 427.7 s and 420.5 s with 842 s and 828 s of CPU,
+# against 395.7 s with 749 s in 3 between them (idle 8 s against 40 s): a fourth worker's collection
+# and the contention cost more than the idle time it fills.
 workers=${PDFLOW_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 # The plug-ins the suite uses, named rather than found: pytest rewrites the asserts of every module
 # of every installed plug-in's package (schemathesis, hypothesis and anyio ship plug-ins the suite
