@@ -33,8 +33,8 @@ Because the groups and the rules are GGUF's, a model converted from a Q4_1/Q8_0 
 ``int8`` and ``int4`` run on pdflow's kernels (:mod:`pdflow.kernels`) for up to
 ``MAX_ROWS`` rows (decode steps); a product with more rows (prefill) dequantizes the matrix to
 fp32 and runs sgemm, where it is bound by arithmetic, not by reading weights (``int4-a16-blocked``
-keeps prefill on its kernels where the CPU has AMX or AVX-512 VNNI: faster there, measured). A matrix whose
-inputs are not a multiple of 32 stays ``fp32``.
+keeps prefill on its kernels where the CPU has AMX or AVX-512 VNNI: faster there, measured). A
+matrix whose inputs are not a multiple of 32 stays ``fp32``.
 """
 
 from __future__ import annotations
@@ -352,7 +352,8 @@ def _amx(lib) -> bool:
 def _many_rows(lib) -> bool:
     """Prefill's many rows go to the kernels, not to sgemm over the dequantized matrix: where the CPU
     has AMX tiles or AVX-512 VNNI. (VNNI, 64 rows a call, on an AMD EPYC with AVX-512, one thread:
-    1.6-2.6x faster than dequantizing and MKL's sgemm for 65-512 rows of SmolLM2's MLP matrices.)"""
+    1.5-2.5x faster than dequantizing and MKL's sgemm for 65-512 rows of SmolLM2's matrices,
+    experiments/probe_prefill_products.py.)"""
     return bool(lib.pdflow_q4b_paths() & (1 << 3 | 1 << 2))
 
 
