@@ -50,7 +50,8 @@ def _greedy() -> Sampler:
 
 
 # (model, prompt) -> the model and the prompt's first token and KV: the tests of decoding take each
-# prompt's prefill from here (a batch copies the KV in), computed once a model (50 prefills -> 8)
+# prompt's prefill from here (a batch copies the KV in), computed once a model (50 prefills -> 8);
+# each entry holds its model, so that the model's id in the key cannot be another's later
 _PREFILLS: dict[tuple[int, tuple[int, ...]], tuple[object, int, dict]] = {}
 
 

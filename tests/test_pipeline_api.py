@@ -128,8 +128,8 @@ def test_a_fork_server_imports_only_its_hosts_stage_kinds():
     assert result.returncode == 0, result.stderr
     head, prefill_host = result.stdout.splitlines()
     assert head == "['ingress'] 0"
-    assert prefill_host == ("['prefill', 'kv_shuttle'] ['__main__', 'pdflow.runtime.process', 'pdflow.stages.kv_shuttle', "
-                            "'pdflow.stages.prefill']")
+    assert prefill_host == ("['prefill', 'kv_shuttle'] "
+                            "['__main__', 'pdflow.runtime.process', 'pdflow.stages.kv_shuttle', 'pdflow.stages.prefill']")
 
 
 def test_checks_name_the_key_in_code_and_file_line_key_in_toml(tmp_path):

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["accept"]
 
 
-def accept(logits: "torch.Tensor", draft: Draft, sampler: "Sampler") -> list[int]:
+def accept(logits: torch.Tensor, draft: Draft, sampler: Sampler) -> list[int]:
     """The tokens the sequence emits this step: the draft tokens kept and one of the target's
     (``logits`` ``(len(draft.tokens) + 1, vocab)``)."""
     tokens = draft.tokens

@@ -329,7 +329,7 @@ class _Blocked(PackedLinear):
         threads = torch.get_num_threads()
         # AMX tiles take any rows at once; AVX-512 VNNI a decode step's at a time (a row's result is
         # the same whatever rows are beside it, so prefill's chunks give what one call would)
-        step = rows if _amx(lib) else kernels.MAX_ROWS
+        step = rows if rows <= kernels.MAX_ROWS or _amx(lib) else kernels.MAX_ROWS  # (a decode step: one call)
         for start in range(0, rows, step):
             count = min(step, rows - start)
             x_at, y_at = x.data_ptr() + start * self.in_features * 4, y.data_ptr() + start * self.out_features * 4
